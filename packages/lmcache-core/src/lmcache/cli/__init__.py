@@ -1,0 +1,1 @@
+"""The ``lmcache`` command line (entry point: ``lmcache.cli.main:main``)."""

@@ -1,0 +1,62 @@
+"""``lmcache`` console script: dispatches to one module per subcommand.
+
+Each subcommand module exposes ``register(subparsers)``; the parser it adds sets
+``func`` (a callable taking the parsed namespace and returning an exit code).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+import traceback
+from collections.abc import Sequence
+
+from lmcache.cli.errors import CLIError
+
+# (subcommand, module). Order is the order shown by ``lmcache --help``.
+SUBCOMMANDS: tuple[tuple[str, str], ...] = (
+    ("server", "lmcache.cli.server"),
+    ("ping", "lmcache.cli.ping"),
+    ("bench", "lmcache.cli.bench"),
+    ("plugins", "lmcache.cli.plugins"),
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="lmcache",
+        description="LMCache-compatible KV-cache layer for LLM serving engines.",
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for _name, module_name in SUBCOMMANDS:
+        module = importlib.import_module(module_name)
+        module.register(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    func = getattr(args, "func", None)
+    if func is None:
+        parser.print_help()
+        return 2
+    try:
+        code = func(args)
+    except CLIError as exc:
+        print(f"lmcache {args.command}: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:  # the CLI never shows a raw traceback
+        if os.environ.get("LMCACHE_LOG_LEVEL", "").upper() == "DEBUG":
+            traceback.print_exc()
+        print(f"lmcache {args.command}: error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    return int(code or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
