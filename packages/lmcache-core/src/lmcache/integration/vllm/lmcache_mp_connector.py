@@ -1,0 +1,251 @@
+"""``LMCacheMPConnector``: vLLM's KV connector for the multiprocess ``lmcache server``.
+
+vLLM loads this class by module path (``kv_connector_module_path:
+lmcache.integration.vllm.lmcache_mp_connector``) or through its in-tree name.
+The scheduler process and every worker process each build one instance; the
+class only dispatches to an :class:`LMCacheMPSchedulerAdapter` or an
+:class:`LMCacheMPWorkerAdapter`, where the logic lives.
+
+Importing this module needs no GPU, no server and no vLLM: with vLLM installed
+the class subclasses vLLM's real ``KVConnectorBase_V1`` (and ``SupportsHMA``
+where available), otherwise faithful local bases (``vllm_base``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from lmcache.integration.vllm.mp_config import MPConnectorConfig, parse_extra_config
+from lmcache.integration.vllm.mp_ops import LMCacheMPRequestMetadata, LoadStoreOp
+from lmcache.integration.vllm.parallel_strategy import ParallelStrategy
+from lmcache.integration.vllm.vllm_base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    SupportsHMA,
+)
+from lmcache.utils import init_logger
+
+logger = init_logger(__name__)
+
+
+class LMCacheMPConnectorMetadata(KVConnectorMetadata):
+    """What the scheduler tells the workers for one step (pickled by vLLM)."""
+
+    def __init__(
+        self,
+        requests: list[LMCacheMPRequestMetadata] | None = None,
+        need_flush_before_forward: bool = False,
+    ) -> None:
+        super().__init__()
+        self.requests: list[LMCacheMPRequestMetadata] = list(requests or [])
+        self.need_flush_before_forward = need_flush_before_forward
+
+    def add_request_metadata(self, request_metadata: LMCacheMPRequestMetadata) -> None:
+        self.requests.append(request_metadata)
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    def __repr__(self) -> str:
+        parts = ", ".join(
+            f"{r.direction}({r.request_id}, [{r.op.start},{r.op.end}))" for r in self.requests
+        )
+        return (
+            f"LMCacheMPConnectorMetadata([{parts}], "
+            f"need_flush_before_forward={self.need_flush_before_forward})"
+        )
+
+
+_BASES: tuple[type, ...] = (KVConnectorBase_V1,) + ((SupportsHMA,) if SupportsHMA else ())
+
+
+def _extra_config(vllm_config: Any) -> dict[str, Any]:
+    ktc = getattr(vllm_config, "kv_transfer_config", None)
+    extra = getattr(ktc, "kv_connector_extra_config", None)
+    return dict(extra or {})
+
+
+def _group_block_sizes(vllm_config: Any, kv_cache_config: Any) -> list[int]:
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+    sizes = [int(g.kv_cache_spec.block_size) for g in groups]
+    return sizes or [int(vllm_config.cache_config.block_size)]
+
+
+def _block_ids_of(blocks: Any) -> tuple[list[int], ...]:
+    """``KVCacheBlocks.get_block_ids()`` (one list per group); tuples/lists pass through."""
+    if blocks is None:
+        return ()
+    getter = getattr(blocks, "get_block_ids", None)
+    if getter is not None:
+        return tuple(getter())
+    return tuple(blocks)
+
+
+class LMCacheMPConnector(*_BASES):  # type: ignore[misc]
+    """KV connector for LMCache's multiprocess server (``lmcache server``).
+
+    Extra config (``kv_connector_extra_config``): ``lmcache.mp.host`` (``tcp://localhost``),
+    ``lmcache.mp.port`` (5555) and the other ``lmcache.mp.*`` keys of docs/vllm.md.
+    """
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any):
+        super().__init__(vllm_config, role, kv_cache_config)
+        self.config: MPConnectorConfig = parse_extra_config(_extra_config(vllm_config))
+        self.model_name = str(vllm_config.model_config.model)
+        self.vllm_block_size = int(vllm_config.cache_config.block_size)
+        self.strategy = ParallelStrategy.from_vllm_config(vllm_config)
+        group_sizes = _group_block_sizes(vllm_config, kv_cache_config)
+        self.scheduler_adapter = None
+        self.worker_adapter = None
+        if role == KVConnectorRole.SCHEDULER:
+            from lmcache.integration.vllm.scheduler_adapter import LMCacheMPSchedulerAdapter
+
+            self.scheduler_adapter = LMCacheMPSchedulerAdapter(
+                self.config,
+                model_name=self.model_name,
+                strategy=self.strategy,
+                vllm_block_size=self.vllm_block_size,
+                group_block_sizes=group_sizes,
+            )
+        elif role == KVConnectorRole.WORKER:
+            from lmcache.integration.vllm.worker_adapter import LMCacheMPWorkerAdapter
+
+            self.worker_adapter = LMCacheMPWorkerAdapter(
+                self.config,
+                model_name=self.model_name,
+                strategy=self.strategy,
+                vllm_block_size=self.vllm_block_size,
+                kv_cache_config=kv_cache_config,
+            )
+        else:
+            raise ValueError(f"Unknown KVConnectorRole {role!r}: expected SCHEDULER or WORKER")
+
+    # ==============================
+    # Worker-side methods
+    # ==============================
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        self._worker().register_kv_caches(kv_caches)
+
+    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
+        if getattr(kv_connector_metadata, "need_flush_before_forward", False):
+            self._worker().flush_stores()
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        meta = self._metadata()
+        if meta is not None:
+            self._worker().start_load(meta.requests)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None  # loading is not layer-wise
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        return None  # stores run once per step in wait_for_save
+
+    def wait_for_save(self) -> None:
+        meta = self._metadata()
+        if meta is not None:
+            self._worker().start_store(meta.requests)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return self._worker().get_finished(finished_req_ids)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker().take_load_errors()
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> dict[str, set[str]]:
+        """Multi-group models: ``finished_sending``, ``finished_recving`` and ``failed_recving``."""
+        return self._worker().get_transfer_results(finished_req_ids)
+
+    def get_kv_connector_kv_cache_events(self) -> Any:
+        return None  # KV events are LATER
+
+    def shutdown(self) -> None:
+        if self.worker_adapter is not None:
+            self.worker_adapter.shutdown()
+        if self.scheduler_adapter is not None:
+            self.scheduler_adapter.shutdown()
+
+    # ==============================
+    # Scheduler-side methods
+    # ==============================
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        return self._scheduler().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        self._scheduler().update_state_after_alloc(
+            request, _block_ids_of(blocks), num_external_tokens
+        )
+
+    def build_connector_meta(self, scheduler_output: Any) -> LMCacheMPConnectorMetadata:
+        ops, flush = self._scheduler().build_ops(scheduler_output)
+        return LMCacheMPConnectorMetadata(ops, need_flush_before_forward=flush)
+
+    def on_new_request(self, request: Any) -> None:
+        self._scheduler().on_new_request(request)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        return None  # completion is tracked by vLLM through finished_sending/recving
+
+    def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler().request_finished(request), None
+
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self.request_finished(request, block_ids)
+
+    def take_events(self) -> Iterable[Any]:
+        return ()  # KV events are LATER
+
+    def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
+        if self.scheduler_adapter is not None:
+            self.scheduler_adapter.gpu_block_pool = gpu_block_pool
+
+    def reset_cache(self) -> bool | None:
+        if self.scheduler_adapter is None:
+            return None
+        return self.scheduler_adapter.reset_cache()
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
+        return None  # NHD and HND both work
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> Any:
+        return None
+
+    @classmethod
+    def build_prom_metrics(cls, *args: Any, **kwargs: Any) -> Any:
+        return None
+
+    # ==============================
+    # Helpers
+    # ==============================
+    def _metadata(self) -> LMCacheMPConnectorMetadata | None:
+        meta = getattr(self, "_connector_metadata", None)
+        return meta if isinstance(meta, LMCacheMPConnectorMetadata) else None
+
+    def _worker(self):
+        if self.worker_adapter is None:
+            raise RuntimeError("this LMCacheMPConnector was built for the SCHEDULER role")
+        return self.worker_adapter
+
+    def _scheduler(self):
+        if self.scheduler_adapter is None:
+            raise RuntimeError("this LMCacheMPConnector was built for the WORKER role")
+        return self.scheduler_adapter
+
+
+__all__ = [
+    "LMCacheMPConnector",
+    "LMCacheMPConnectorMetadata",
+    "LMCacheMPRequestMetadata",
+    "LoadStoreOp",
+    "ParallelStrategy",
+]

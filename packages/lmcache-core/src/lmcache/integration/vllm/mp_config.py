@@ -1,0 +1,226 @@
+"""The ``lmcache.mp.*`` keys of vLLM's ``kv_connector_extra_config``.
+
+vLLM hands the connector a free-form dict; values often arrive as strings
+(``"5555"``, ``"true"``) because they come from a JSON command line. Every key
+is parsed here, once, into :class:`MPConnectorConfig`. A bad value raises
+``ValueError`` naming the key, the value and the expected type. Keys that are
+recognised but not implemented yet (LATER) are refused loudly when set to a
+non-default value instead of being ignored silently.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from lmcache.utils import init_logger
+
+logger = init_logger(__name__)
+
+PREFIX = "lmcache.mp."
+TRANSFER_MODE_ENV = "LMCACHE_MP_TRANSFER_MODE"
+VALID_TRANSFER_MODES = ("auto", "engine_driven", "lmcache_driven")
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def _bool(key: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
+        return value.strip().lower() in _TRUE
+    raise ValueError(f"{PREFIX}{key}={value!r} is not a boolean; use true or false (or 1/0)")
+
+
+def _number(key: str, value: Any, kind: type, *, positive: bool) -> Any:
+    if isinstance(value, bool):
+        raise ValueError(f"{PREFIX}{key}={value!r} is not a {kind.__name__}")
+    try:
+        if kind is int:
+            if isinstance(value, float):
+                if not value.is_integer():
+                    raise ValueError
+                number = int(value)
+            else:
+                number = int(str(value).strip(), 10)
+        else:
+            number = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"{PREFIX}{key}={value!r} is not a {kind.__name__}; "
+            f"give a number such as {'5555' if kind is int else '30'}"
+        ) from None
+    if positive and number <= 0:
+        raise ValueError(f"{PREFIX}{key}={value!r} must be greater than 0")
+    return number
+
+
+def _str(key: str, value: Any) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"{PREFIX}{key}={value!r} must be a non-empty string")
+    return value.strip()
+
+
+def _port(key: str, value: Any) -> int:
+    port = _number(key, value, int, positive=True)
+    if port > 65535:
+        raise ValueError(f"{PREFIX}{key}={value!r} is not a TCP port (1..65535)")
+    return port
+
+
+def _mode(key: str, value: Any) -> str:
+    mode = str(value).strip().lower()
+    if mode not in VALID_TRANSFER_MODES:
+        raise ValueError(
+            f"Invalid MP transfer mode {value!r} (valid: auto, engine_driven, lmcache_driven)"
+        )
+    return mode
+
+
+def _url_list(key: str, value: Any) -> list[str]:
+    if isinstance(value, str):
+        items = [v.strip() for v in value.split(",") if v.strip()]
+    elif isinstance(value, (list, tuple)):
+        items = [str(v).strip() for v in value if str(v).strip()]
+    else:
+        raise ValueError(f"{PREFIX}{key}={value!r} must be a list or a comma-separated string")
+    return items
+
+
+# key -> (default, parser). The parser gets (key, raw value).
+_MUST_KEYS: dict[str, tuple[Any, Callable[[str, Any], Any]]] = {
+    "host": ("tcp://localhost", _str),
+    "port": (5555, _port),
+    "mq_timeout": (300.0, lambda k, v: _number(k, v, float, positive=True)),
+    "heartbeat_interval": (10.0, lambda k, v: _number(k, v, float, positive=True)),
+    "nonblocking_lookup_status": (True, _bool),
+    "mp_transfer_mode": (None, _mode),
+    "hash_algorithm": ("blake3", _str),
+    "eager_prefetch": (False, _bool),
+    "save_decode_cache": (False, _bool),
+    "lookup_timeout": (30.0, lambda k, v: _number(k, v, float, positive=True)),
+    "retrieve_timeout": (60.0, lambda k, v: _number(k, v, float, positive=True)),
+}
+
+# Recognised, not implemented yet: accepted only at their default value.
+_LATER_KEYS: dict[str, tuple[Any, Callable[[str, Any], Any]]] = {
+    "server_urls": (None, _url_list),
+    "isolated_ipc": (False, _bool),
+    "use_vmm_api": (False, _bool),
+    "lazy_offload": (False, _bool),
+    "lazy_offload_policy": (None, _str),
+    "lazy_offload_threshold": (None, lambda k, v: _number(k, v, float, positive=False)),
+    "lazy_offload_select_count": (None, lambda k, v: _number(k, v, int, positive=False)),
+    "transfer_intermediate_tensors": (False, _bool),
+    "autostart": (False, _bool),
+    "autostart.server_args": (None, _str),
+    "autostart.wait_timeout": (None, lambda k, v: _number(k, v, float, positive=True)),
+}
+
+# Every key with its default, for documentation and tests.
+DEFAULTS: dict[str, Any] = {k: d for k, (d, _) in {**_MUST_KEYS, **_LATER_KEYS}.items()}
+
+
+@dataclass(frozen=True)
+class MPConnectorConfig:
+    """Parsed connector settings (see the table in docs/vllm.md)."""
+
+    host: str = "tcp://localhost"
+    port: int = 5555
+    mq_timeout: float = 300.0
+    heartbeat_interval: float = 10.0
+    nonblocking_lookup_status: bool = True
+    # None when the key is absent, so LMCACHE_MP_TRANSFER_MODE (then "auto") applies.
+    mp_transfer_mode: str | None = None
+    hash_algorithm: str = "blake3"
+    eager_prefetch: bool = False
+    save_decode_cache: bool = False
+    lookup_timeout: float = 30.0
+    retrieve_timeout: float = 60.0
+
+    @property
+    def server_url(self) -> str:
+        """ZeroMQ endpoint; ``ipc://`` and ``inproc://`` hosts take no port."""
+        host = self.host
+        if host.startswith(("ipc://", "inproc://")):
+            return host
+        if "://" not in host:
+            host = "tcp://" + host
+        return f"{host}:{self.port}"
+
+    @property
+    def connect_timeout(self) -> float:
+        """How long start-up waits for ``get_chunk_size``."""
+        return min(self.mq_timeout, 30.0)
+
+    def effective_transfer_mode(self) -> str:
+        """The mode this worker asks for: key, else env var, else ``auto``."""
+        if self.mp_transfer_mode is not None:
+            return self.mp_transfer_mode
+        env = os.environ.get(TRANSFER_MODE_ENV)
+        return _mode("mp_transfer_mode", env) if env else "auto"
+
+
+def parse_extra_config(extra: Mapping[str, Any] | None) -> MPConnectorConfig:
+    """Parse ``kv_connector_extra_config`` (only the ``lmcache.mp.`` keys matter)."""
+    extra = dict(extra or {})
+    values: dict[str, Any] = {}
+    for key, (default, parse) in _MUST_KEYS.items():
+        raw = extra.get(PREFIX + key)
+        values[key] = default if raw is None else parse(key, raw)
+    for key, (default, parse) in _LATER_KEYS.items():
+        raw = extra.get(PREFIX + key)
+        if raw is None:
+            continue
+        value = parse(key, raw)
+        if key == "server_urls" and len(value) <= 1:
+            # One server is what host/port already say.
+            if value:
+                values["host"], values["port"] = _split_url(value[0], values["port"])
+            continue
+        if value != default:
+            raise ValueError(
+                f"{PREFIX}{key}={raw!r} is not supported by this version of the LMCache "
+                f"connector; remove the key (default: {default!r})"
+            )
+    known = {PREFIX + k for k in DEFAULTS}
+    for key in extra:
+        if key.startswith(PREFIX) and key not in known:
+            logger.warning("Unknown extra-config key %s ignored (known: %s)", key, sorted(known))
+    if values["hash_algorithm"] != "blake3":
+        logger.warning(
+            "%shash_algorithm=%r: the server must be started with the same "
+            "--hash-algorithm (only blake3 is implemented)",
+            PREFIX,
+            values["hash_algorithm"],
+        )
+    env = os.environ.get(TRANSFER_MODE_ENV)
+    if values["mp_transfer_mode"] is not None and env:
+        if env.strip().lower() != values["mp_transfer_mode"]:
+            logger.warning(
+                "%smp_transfer_mode=%s overrides %s=%s",
+                PREFIX,
+                values["mp_transfer_mode"],
+                TRANSFER_MODE_ENV,
+                env,
+            )
+    elif env:
+        _mode("mp_transfer_mode", env)  # fail early on a bad env value
+    return MPConnectorConfig(**values)
+
+
+def _split_url(url: str, default_port: int) -> tuple[str, int]:
+    if url.startswith(("ipc://", "inproc://")):
+        return url, default_port
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        scheme, rest = "tcp", url
+    host, colon, port = rest.rpartition(":")
+    if not colon:
+        return f"{scheme}://{rest}", default_port
+    return f"{scheme}://{host}", _port("server_urls", port)

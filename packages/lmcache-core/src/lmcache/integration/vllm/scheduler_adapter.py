@@ -1,0 +1,467 @@
+"""Scheduler side of the connector: lookups, hit arithmetic, lock bookkeeping, op emission.
+
+Every request gets a :class:`RequestTracker` that moves
+``PREFETCHING -> WAITING_FOR_LOAD -> READY`` (connector spec section 5). The
+engine is never blocked: the lookup is sent without waiting, its status is
+polled on later calls, and while anything is pending the answer is
+``(None, True)`` ("ask again"). Every read lock the server took for a lookup is
+given back exactly once: freed here when vLLM's prefix cache or the cap makes
+the chunk unnecessary, consumed by the workers' retrieve otherwise, and
+released by ``end_session`` as a last resort.
+
+Nothing here imports vLLM: requests and scheduler outputs are read duck-typed.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from lmcache.integration.vllm.mp_config import MPConnectorConfig
+from lmcache.integration.vllm.mp_ops import LMCacheMPRequestMetadata, LoadStoreOp, chunk_floor
+from lmcache.integration.vllm.parallel_strategy import ParallelStrategy
+from lmcache.integration.vllm.server_link import ServerLink
+from lmcache.utils import init_logger
+from lmcache.v1.multiprocess.protocol import IPCCacheServerKey
+
+logger = init_logger(__name__)
+
+# How long request_finished waits for unacked lookup/status replies (spec: at most 1 s).
+FINISH_WAIT_S = 1.0
+# Server-side park time of one wait_prefetch_status (nonblocking_lookup_status=false).
+WAIT_STATUS_S = 0.05
+
+
+class RequestState(enum.Enum):
+    PREFETCHING = enum.auto()
+    WAITING_FOR_LOAD = enum.auto()
+    READY = enum.auto()
+
+
+@dataclass
+class RequestTracker:
+    request_id: str
+    request: Any  # vLLM's Request: all_token_ids grows as tokens are generated
+    prompt: list[int]
+    cache_salt: str
+    num_groups: int
+    state: RequestState = RequestState.PREFETCHING
+    vllm_hit: int = 0
+    lmcache_hit: int = 0
+    hit_known: bool = False
+    allocated_block_ids: list[list[int]] = field(default_factory=list)
+    num_scheduled_tokens: int = 0
+    num_stored: int = 0
+    stored_any: bool = False
+    # Lookup bookkeeping: futures, when it was sent, whether we stopped waiting.
+    lookup_key: IPCCacheServerKey | None = None
+    lookup_future: Any = None
+    status_future: Any = None
+    lookup_sent_at: float = 0.0
+    gave_up: bool = False
+    # [locks_from, lmcache_hit) is still read-locked on the server for us.
+    locks_from: int = 0
+    locks_held: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.allocated_block_ids:
+            self.allocated_block_ids = [[] for _ in range(self.num_groups)]
+
+    @property
+    def lookup_pending(self) -> bool:
+        return self.lookup_future is not None and not self.hit_known
+
+    def tokens(self) -> list[int]:
+        toks = getattr(self.request, "all_token_ids", None)
+        return list(toks) if toks is not None else self.prompt
+
+
+def _prompt_of(request: Any) -> list[int]:
+    toks = getattr(request, "prompt_token_ids", None)
+    if toks is None:
+        toks = getattr(request, "all_token_ids", [])
+    return list(toks)
+
+
+class LMCacheMPSchedulerAdapter:
+    """Scheduler-side logic behind ``LMCacheMPConnector`` (one per scheduler process)."""
+
+    def __init__(
+        self,
+        config: MPConnectorConfig,
+        *,
+        model_name: str,
+        strategy: ParallelStrategy,
+        vllm_block_size: int,
+        group_block_sizes: list[int] | None = None,
+        link: ServerLink | None = None,
+    ) -> None:
+        self.config = config
+        self.model_name = model_name
+        self.strategy = strategy
+        self.vllm_block_size = vllm_block_size
+        self.group_block_sizes = list(group_block_sizes or [vllm_block_size])
+        self.link = link or ServerLink(config, role="scheduler")
+        self.chunk_size = self.link.chunk_size
+        check_chunk_size(self.chunk_size, vllm_block_size, self.group_block_sizes)
+        self.hit_alignment = math.lcm(*self.group_block_sizes)
+        self.trackers: dict[str, RequestTracker] = {}
+        # Trackers that answered (0, False) before their lookup result came; read late, freed.
+        self._abandoned: dict[str, RequestTracker] = {}
+        self._new_block_records: list[dict[str, Any]] = []
+        self.gpu_block_pool: Any = None
+
+    # -- helpers ------------------------------------------------------------------
+    @property
+    def healthy(self) -> bool:
+        return self.link.healthy
+
+    def _key(self, t: RequestTracker, start: int, end: int) -> IPCCacheServerKey:
+        return IPCCacheServerKey(
+            model_name=self.model_name,
+            world_size=self.strategy.kv_world_size,
+            worker_id=None,
+            token_ids=t.prompt,
+            start=start,
+            end=end,
+            request_id=t.request_id,
+            cache_salt=t.cache_salt,
+            num_kv_readers=self.strategy.num_kv_readers,
+        )
+
+    def _new_tracker(self, request: Any) -> RequestTracker:
+        t = RequestTracker(
+            request_id=request.request_id,
+            request=request,
+            prompt=_prompt_of(request),
+            cache_salt=getattr(request, "cache_salt", None) or "",
+            num_groups=len(self.group_block_sizes),
+        )
+        self.trackers[t.request_id] = t
+        return t
+
+    def _send_lookup(self, t: RequestTracker) -> None:
+        self.link.start_heartbeat()
+        end = chunk_floor(len(t.prompt), self.chunk_size)
+        t.lookup_key = self._key(t, 0, end)
+        t.lookup_sent_at = time.monotonic()
+        if end == 0:
+            # Shorter than one chunk: nothing can hit, so nothing is asked or locked.
+            t.hit_known, t.lmcache_hit = True, 0
+            return
+        t.lookup_future = self.link.submit("lookup", t.lookup_key, self.strategy.kv_world_size)
+
+    def _advance_lookup(self, t: RequestTracker) -> None:
+        """Move the lookup forward without blocking; sets ``hit_known`` once the result is in."""
+        if t.hit_known or t.lookup_future is None:
+            return
+        if not t.lookup_future.query():
+            return
+        if t.status_future is None:
+            try:
+                t.lookup_future.result(0)
+            except Exception as exc:
+                logger.warning("lookup of request %s failed: %s", t.request_id, exc)
+                t.hit_known, t.lmcache_hit = True, 0
+                return
+            # Only now: a status query that overtook its lookup would read 0 and leak locks.
+            self._send_status(t)
+            return
+        if not t.status_future.query():
+            return
+        try:
+            chunks = t.status_future.result(0)
+        except Exception as exc:
+            logger.warning("prefetch status of request %s failed: %s", t.request_id, exc)
+            t.hit_known, t.lmcache_hit = True, 0
+            return
+        if chunks is None:  # still prefetching on the server: ask again
+            self._send_status(t)
+            return
+        t.hit_known = True
+        t.lmcache_hit = min(int(chunks) * self.chunk_size, t.lookup_key.end)
+        t.locks_from, t.locks_held = 0, t.lmcache_hit > 0
+
+    def _send_status(self, t: RequestTracker) -> None:
+        if self.config.nonblocking_lookup_status:
+            t.status_future = self.link.submit("query_prefetch_status", t.request_id)
+        else:
+            t.status_future = self.link.submit("wait_prefetch_status", t.request_id, WAIT_STATUS_S)
+            t.status_future.wait(WAIT_STATUS_S + 0.5)
+
+    def _free_locks(self, t: RequestTracker, end: int) -> None:
+        """Give back the read locks of ``[locks_from, end)`` (chunk-aligned; empty sends nothing)."""
+        if not t.locks_held:
+            return
+        start = t.locks_from
+        end = min(chunk_floor(end, self.chunk_size), t.lmcache_hit)
+        if end > start:
+            self.link.submit(
+                "free_lookup_locks", self._key(t, start, end), self.strategy.kv_world_size
+            )
+            t.locks_from = end
+        if t.locks_from >= t.lmcache_hit:
+            t.locks_held = False
+
+    def _poll_abandoned(self) -> None:
+        for rid, t in list(self._abandoned.items()):
+            self._advance_lookup(t)
+            if t.hit_known:
+                self._free_locks(t, t.lmcache_hit)
+                del self._abandoned[rid]
+
+    def _abandon(self, t: RequestTracker) -> None:
+        """Answer a miss now; a result that still arrives gets its locks freed."""
+        t.gave_up = True
+        if t.lookup_pending:
+            self._abandoned[t.request_id] = t
+
+    # -- vLLM scheduler calls ------------------------------------------------------
+    def on_new_request(self, request: Any) -> None:
+        if not self.config.eager_prefetch or not self.healthy:
+            return
+        if request.request_id not in self.trackers:
+            t = self._new_tracker(request)
+            self._send_lookup(t)
+            self._advance_lookup(t)
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        self._poll_abandoned()
+        t = self.trackers.get(request.request_id)
+        if t is not None and t.state is not RequestState.PREFETCHING:
+            # Asked again after allocation: vLLM preempted the request and starts it over.
+            self._reset_after_preemption(t.request_id)
+            t = self.trackers[request.request_id]
+        if t is None:
+            t = self._new_tracker(request)
+        if not self.healthy or t.gave_up:
+            # Degraded: answer a miss at once, never contact the server.
+            if not t.gave_up:
+                self._abandon(t)
+            t.vllm_hit = num_computed_tokens
+            return 0, False
+        if t.lookup_key is None:
+            self._send_lookup(t)
+        if not t.hit_known:
+            self._advance_lookup(t)
+            if not t.hit_known:
+                self._advance_lookup(t)  # a status reply may already be in
+            if not t.hit_known:
+                if time.monotonic() - t.lookup_sent_at > self.config.lookup_timeout:
+                    logger.warning(
+                        "lookup of request %s got no result within lookup_timeout=%g s; "
+                        "treating it as a miss",
+                        t.request_id,
+                        self.config.lookup_timeout,
+                    )
+                    self._abandon(t)
+                    t.vllm_hit = num_computed_tokens
+                    return 0, False
+                return None, True
+        t.vllm_hit = num_computed_tokens
+        usable = min(t.lmcache_hit, len(t.prompt) - 1)
+        usable = usable // self.hit_alignment * self.hit_alignment
+        need = max(0, usable - num_computed_tokens)
+        return need, need > 0
+
+    def update_state_after_alloc(
+        self,
+        request: Any,
+        block_ids: tuple[list[int], ...] | list[list[int]],
+        num_external_tokens: int,
+    ) -> None:
+        t = self.trackers.get(request.request_id)
+        if t is None:
+            return
+        self._append_blocks(t, block_ids, "full")
+        if t.state is not RequestState.PREFETCHING:
+            return
+        if num_external_tokens > 0:
+            t.state = RequestState.WAITING_FOR_LOAD
+            # vLLM's prefix cache serves these chunks: they will not be retrieved.
+            self._free_locks(t, chunk_floor(t.vllm_hit, self.chunk_size))
+        else:
+            t.state = RequestState.READY
+            self._free_locks(t, t.lmcache_hit)
+        t.num_stored = t.lmcache_hit
+
+    def _append_blocks(self, t: RequestTracker, block_ids: Any, mode: str) -> None:
+        """Track the request's blocks per group.
+
+        ``mode`` says what vLLM handed us: ``"full"`` (every block of the request, as in
+        ``update_state_after_alloc`` and new requests: only the tail beyond what we hold is
+        new), ``"new"`` (only newly allocated blocks, as for running requests) or
+        ``"replace"`` (a request resumed after preemption got a fresh block list).
+        """
+        if block_ids is None:
+            return
+        for g, ids in enumerate(list(block_ids)[: t.num_groups]):
+            ids = list(ids)
+            cur = t.allocated_block_ids[g]
+            if mode == "full" and ids[: len(cur)] == cur:
+                added = ids[len(cur) :]
+                cur.extend(added)
+            elif mode == "new":
+                added = ids
+                cur.extend(ids)
+            else:
+                added = ids
+                t.allocated_block_ids[g] = ids
+            if added:
+                self._new_block_records.append(
+                    {"req_id": t.request_id, "new_block_ids": added, "new_token_ids": []}
+                )
+
+    def _slice_blocks(self, t: RequestTracker, start: int, end: int) -> list[list[int]]:
+        return [
+            t.allocated_block_ids[g][start // bs : end // bs]
+            for g, bs in enumerate(self.group_block_sizes)
+        ]
+
+    def _allocated_tokens(self, t: RequestTracker) -> int:
+        return min(
+            len(t.allocated_block_ids[g]) * bs for g, bs in enumerate(self.group_block_sizes)
+        )
+
+    def build_ops(self, scheduler_output: Any) -> tuple[list[LMCacheMPRequestMetadata], bool]:
+        """The per-step ops (RETRIEVE first, then STORE) and the preemption flush flag."""
+        self._poll_abandoned()
+        ops: list[LMCacheMPRequestMetadata] = []
+
+        preempted = set(getattr(scheduler_output, "preempted_req_ids", None) or ())
+        for rid in preempted:
+            self._reset_after_preemption(rid)
+
+        for t in self.trackers.values():
+            if t.state is not RequestState.WAITING_FOR_LOAD:
+                continue
+            start = chunk_floor(t.vllm_hit, self.chunk_size)
+            end = t.lmcache_hit
+            t.state = RequestState.READY
+            if end <= start:
+                continue
+            op = LoadStoreOp(
+                token_ids=t.prompt[:end],
+                block_ids=self._slice_blocks(t, start, end),
+                start=start,
+                end=end,
+                skip_first_n_tokens=max(0, t.vllm_hit - start),
+            )
+            ops.append(LMCacheMPRequestMetadata(t.request_id, "RETRIEVE", op, t.cache_salt))
+            # The retrieve consumes the locks of [start, end) on every worker.
+            t.locks_held = False
+
+        num_scheduled = getattr(scheduler_output, "num_scheduled_tokens", {}) or {}
+        scheduled: list[str] = []
+        for new in getattr(scheduler_output, "scheduled_new_reqs", []) or []:
+            t = self.trackers.get(new.req_id)
+            if t is None:
+                continue
+            self._append_blocks(t, new.block_ids, "full")
+            t.num_scheduled_tokens += int(num_scheduled.get(new.req_id, 0))
+            scheduled.append(new.req_id)
+        cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
+        if cached is not None:
+            resumed = set(getattr(cached, "resumed_req_ids", None) or ())
+            for i, rid in enumerate(cached.req_ids):
+                t = self.trackers.get(rid)
+                if t is None:
+                    continue
+                new_ids = cached.new_block_ids[i] if i < len(cached.new_block_ids) else None
+                self._append_blocks(t, new_ids, "replace" if rid in resumed else "new")
+                t.num_scheduled_tokens += int(num_scheduled.get(rid, 0))
+                scheduled.append(rid)
+
+        for rid in scheduled:
+            op = self._store_op(self.trackers[rid])
+            if op is not None:
+                ops.append(op)
+
+        self._report_block_allocation()
+        return ops, bool(preempted)
+
+    def _store_op(self, t: RequestTracker) -> LMCacheMPRequestMetadata | None:
+        if t.state is not RequestState.READY:
+            return None
+        tokens = t.tokens()
+        limit = min(
+            len(tokens),
+            self._allocated_tokens(t),
+            t.num_scheduled_tokens + max(t.vllm_hit, t.lmcache_hit),
+        )
+        if not self.config.save_decode_cache:
+            limit = min(limit, len(t.prompt))
+        start = max(t.num_stored, t.lmcache_hit)
+        end = chunk_floor(limit, self.chunk_size)
+        if end - start < self.chunk_size:
+            return None
+        op = LoadStoreOp(
+            token_ids=list(tokens[:end]),
+            block_ids=self._slice_blocks(t, start, end),
+            start=start,
+            end=end,
+        )
+        t.num_stored = end
+        t.stored_any = True
+        return LMCacheMPRequestMetadata(t.request_id, "STORE", op, t.cache_salt)
+
+    def _reset_after_preemption(self, rid: str) -> None:
+        """vLLM freed the blocks and will schedule the request from scratch: look up afresh."""
+        old = self.trackers.get(rid)
+        if old is None:
+            return
+        self._free_locks(old, old.lmcache_hit)
+        fresh = self._new_tracker(old.request)
+        fresh.stored_any = old.stored_any
+
+    def _report_block_allocation(self) -> None:
+        records, self._new_block_records = self._new_block_records, []
+        if records and self.healthy:
+            # Counted by the server only; fire and forget.
+            self.link.submit("report_block_allocation", None, self.model_name, records)
+
+    def request_finished(self, request: Any) -> bool:
+        rid = request.request_id
+        t = self.trackers.pop(rid, None) or self._abandoned.get(rid)
+        self._abandoned.pop(rid, None)
+        if t is None:
+            return False
+        deadline = time.monotonic() + FINISH_WAIT_S
+        while t.lookup_pending and self.healthy and time.monotonic() < deadline:
+            # Let a late lookup/status reply land first, so no handler recreates the session.
+            self._advance_lookup(t)
+            fut = t.status_future if t.status_future is not None else t.lookup_future
+            if not t.hit_known and fut is not None:
+                fut.wait(max(0.0, min(0.05, deadline - time.monotonic())))
+        if t.hit_known:
+            self._free_locks(t, t.lmcache_hit)
+        if self.healthy:
+            self.link.submit("end_session", rid)
+        return t.stored_any
+
+    def reset_cache(self) -> bool:
+        if not self.healthy:
+            return False
+        try:
+            self.link.submit("clear", False).result(self.config.mq_timeout)
+        except Exception as exc:
+            logger.warning("clear on %s failed: %s", self.link.url, exc)
+            return False
+        return True
+
+    def shutdown(self) -> None:
+        self.link.close()
+
+
+def check_chunk_size(chunk_size: int, vllm_block_size: int, group_block_sizes: list[int]) -> None:
+    for bs in [vllm_block_size, *group_block_sizes]:
+        if bs <= 0 or chunk_size % bs:
+            raise ValueError(
+                f"the LMCache server's chunk size {chunk_size} is not a multiple of the vLLM "
+                f"block size {bs}; start 'lmcache server --chunk-size' with a multiple of {bs}"
+            )

@@ -1,0 +1,150 @@
+"""One adapter's connection to the ``lmcache server``: start-up checks, health, recovery.
+
+Each adapter (scheduler or worker) owns one :class:`ServerLink`. It connects
+the MP client, checks the chunk size, negotiates features, and runs the
+heartbeat. While the server does not answer pings the link is *unhealthy*
+(degraded mode: callers skip the server and nothing blocks the engine). On the
+first successful ping it runs the adapter's recovery steps (chunk size
+unchanged, features, re-registration) and only then reports healthy again.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from lmcache.integration.vllm.mp_config import MPConnectorConfig
+from lmcache.utils import init_logger
+from lmcache.v1.multiprocess.client import HeartbeatThread, LMCacheTimeoutError, MPClient
+
+logger = init_logger(__name__)
+
+
+class ServerLink:
+    def __init__(
+        self,
+        config: MPConnectorConfig,
+        *,
+        role: str,
+        instance_id: int | None = None,
+        on_recover: Callable[[], None] | None = None,
+        on_unhealthy: Callable[[], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.url = config.server_url
+        self.role = role
+        self.instance_id = instance_id
+        self._on_recover = on_recover
+        self._on_unhealthy_cb = on_unhealthy
+        self._healthy = True
+        self._lock = threading.Lock()
+        self._heartbeat: HeartbeatThread | None = None
+        self.client = MPClient(self.url, default_timeout=config.mq_timeout)
+        try:
+            self.chunk_size = self._fetch_chunk_size(config.connect_timeout)
+            self.negotiate()
+        except BaseException:
+            self.client.close()
+            raise
+
+    # -- start-up -------------------------------------------------------------
+    def _fetch_chunk_size(self, timeout: float) -> int:
+        try:
+            chunk = self.client.get_chunk_size(timeout=timeout)
+        except LMCacheTimeoutError:
+            raise ConnectionError(
+                f"cannot reach LMCache server at {self.url}: get_chunk_size got no reply within "
+                f"{timeout:g} s; start it with 'lmcache server' or fix lmcache.mp.host / "
+                "lmcache.mp.port"
+            ) from None
+        if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk <= 0:
+            raise ConnectionError(f"LMCache server at {self.url} sent a bad chunk size {chunk!r}")
+        return chunk
+
+    def negotiate(self) -> frozenset[str]:
+        """Enable ``error_replies`` / ``raw_payload_v1`` where the server offers them."""
+        timeout = min(self.config.mq_timeout, 10.0)
+        return self.client.negotiate_default_features(timeout=timeout)
+
+    @property
+    def features(self) -> frozenset[str]:
+        return self.client.features
+
+    # -- health -------------------------------------------------------------------
+    @property
+    def healthy(self) -> bool:
+        return self._healthy
+
+    def start_heartbeat(self) -> None:
+        with self._lock:
+            if self._heartbeat is not None:
+                return
+            self._heartbeat = HeartbeatThread(
+                self.client,
+                instance_id=self.instance_id,
+                interval=self.config.heartbeat_interval,
+                on_unhealthy=self._went_unhealthy,
+                on_healthy=self._came_back,
+            )
+            self._heartbeat.start()
+
+    def mark_unhealthy(self, reason: str) -> None:
+        """Enter degraded mode at once (e.g. a NOT_REGISTERED reply); the heartbeat recovers."""
+        if self._healthy:
+            logger.warning("LMCache %s at %s degraded: %s", self.role, self.url, reason)
+        self._healthy = False
+        hb = self._heartbeat
+        if hb is not None:
+            hb.healthy = False  # so the next answered ping runs the recovery steps
+
+    def _went_unhealthy(self) -> None:
+        if self._healthy:
+            logger.warning(
+                "LMCache server at %s did not answer a ping within %g s; the %s runs degraded "
+                "(cache misses, no stores) until it is back",
+                self.url,
+                self.config.heartbeat_interval,
+                self.role,
+            )
+        self._healthy = False
+        if self._on_unhealthy_cb is not None:
+            self._on_unhealthy_cb()
+
+    def _came_back(self) -> None:
+        try:
+            self.recover()
+        except Exception as exc:
+            logger.error(
+                "LMCache %s could not recover its session with %s: %s", self.role, self.url, exc
+            )
+            hb = self._heartbeat
+            if hb is not None:
+                hb.healthy = False  # try again on the next answered ping
+            return
+        self._healthy = True
+        logger.info("LMCache server at %s is reachable again; %s recovered", self.url, self.role)
+
+    def recover(self) -> None:
+        """Chunk size unchanged, features negotiated again, then the adapter's own steps."""
+        timeout = min(self.config.mq_timeout, 10.0)
+        chunk = self._fetch_chunk_size(timeout)
+        if chunk != self.chunk_size:
+            raise RuntimeError(
+                f"the restarted server uses chunk size {chunk}, this engine was set up with "
+                f"{self.chunk_size}; restart the server with --chunk-size {self.chunk_size}"
+            )
+        self.negotiate()
+        if self._on_recover is not None:
+            self._on_recover()
+
+    # -- requests -----------------------------------------------------------------
+    def submit(self, op: str, *payloads: Any):
+        return self.client.submit(op, *payloads)
+
+    def close(self) -> None:
+        hb, self._heartbeat = self._heartbeat, None
+        if hb is not None:
+            hb.stop()
+            hb.join(timeout=self.config.heartbeat_interval + 1)
+        self.client.close()

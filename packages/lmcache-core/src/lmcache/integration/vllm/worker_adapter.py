@@ -1,0 +1,362 @@
+"""Worker side of the connector: registration, retrieves, stores, completion reporting.
+
+One adapter per vLLM worker process. It registers the worker's paged KV cache
+with the server under a random 63-bit ``instance_id`` (drawn from uuid4, never
+the PID, so a restarted worker is a new instance), then runs the ops the
+scheduler put in the step's metadata through the transfer context built by
+``lmcache.v1.multiprocess.transfer_context.create_transfer_context``:
+
+* RETRIEVE ops in ``start_load``; their completion is reported in
+  ``finished_recving``, failures also as load-error block ids.
+* STORE ops in ``start_store`` (vLLM's ``wait_for_save``), never waiting for the
+  server; a request is reported in ``finished_sending`` once vLLM finished it
+  and every store of it on this worker completed.
+
+While the server is unreachable (degraded mode) stores are dropped and reported
+finished and retrieves fail as load errors, so vLLM recomputes and nothing
+blocks. When the server is back the adapter re-registers under the same
+``instance_id`` before it reports healthy.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from lmcache.integration.vllm.mp_config import MPConnectorConfig
+from lmcache.integration.vllm.mp_ops import LMCacheMPRequestMetadata
+from lmcache.integration.vllm.parallel_strategy import ParallelStrategy
+from lmcache.integration.vllm.scheduler_adapter import check_chunk_size
+from lmcache.integration.vllm.server_link import ServerLink
+from lmcache.utils import init_logger
+from lmcache.v1.multiprocess.protocol import IPCCacheServerKey
+
+logger = init_logger(__name__)
+
+# Bound on unregistration at shutdown: the server may be gone already.
+UNREGISTER_TIMEOUT_S = 2.0
+
+
+def new_instance_id() -> int:
+    """A random 63-bit id (fits msgpack int64 and every server-side table)."""
+    return uuid.uuid4().int & ((1 << 63) - 1)
+
+
+@dataclass
+class _Pending:
+    future: Any
+    block_ids: list[int]
+    submitted_at: float
+
+
+@dataclass
+class _RequestIO:
+    stores: list[_Pending] = field(default_factory=list)
+    retrieves: list[_Pending] = field(default_factory=list)
+    retrieve_failed: bool = False
+    had_store_op: bool = False
+
+
+@dataclass
+class KVGroup:
+    engine_group_id: int
+    layer_names: list[str]
+    tokens_per_block: int
+
+
+class LMCacheMPWorkerAdapter:
+    def __init__(
+        self,
+        config: MPConnectorConfig,
+        *,
+        model_name: str,
+        strategy: ParallelStrategy,
+        vllm_block_size: int,
+        kv_cache_config: Any = None,
+        link: ServerLink | None = None,
+        instance_id: int | None = None,
+    ) -> None:
+        self.config = config
+        self.model_name = model_name
+        self.strategy = strategy
+        self.vllm_block_size = vllm_block_size
+        self.kv_cache_config = kv_cache_config
+        self.instance_id = instance_id if instance_id is not None else new_instance_id()
+        self.link = link or ServerLink(
+            config,
+            role=f"worker (rank {strategy.vllm_rank})",
+            instance_id=self.instance_id,
+            on_recover=self._reregister,
+            on_unhealthy=None,
+        )
+        self.chunk_size = self.link.chunk_size
+        self.ctx: Any = None
+        self.kv_caches: dict[str, Any] = {}
+        self.groups: list[KVGroup] = []
+        self._io: dict[str, _RequestIO] = {}
+        self._finished_pending: set[str] = set()  # finished by vLLM, stores still running
+        self._load_errors: set[int] = set()
+        self._lock = threading.Lock()
+
+    # -- registration ---------------------------------------------------------------
+    @property
+    def healthy(self) -> bool:
+        return self.link.healthy and self.ctx is not None
+
+    def _derive_groups(self, layer_names: list[str]) -> list[KVGroup]:
+        groups = getattr(self.kv_cache_config, "kv_cache_groups", None) or []
+        if not groups:
+            return [KVGroup(0, list(layer_names), self.vllm_block_size)]
+        out = []
+        for i, g in enumerate(groups):
+            names = [n for n in g.layer_names if n in self.kv_caches]
+            out.append(KVGroup(i, names, int(g.kv_cache_spec.block_size)))
+        return out
+
+    def engine_group_infos(self) -> list[dict[str, Any]]:
+        index = {name: i for i, name in enumerate(self.kv_caches)}
+        return [
+            {
+                "engine_group_id": g.engine_group_id,
+                "layer_indices": [index[n] for n in g.layer_names],
+                "tokens_per_block": g.tokens_per_block,
+                "sw_size_tokens": -1,
+                "extra_object_group_tag": 0,
+                "recurrent_state": False,
+            }
+            for g in self.groups
+        ]
+
+    def layout_hints(self) -> dict[str, Any]:
+        first = next(iter(self.kv_caches.values()))
+        hints: dict[str, Any] = {
+            "kv_layout": "NHD",
+            "tokens_per_block": self.groups[0].tokens_per_block,
+        }
+        shape = tuple(getattr(first, "shape", ()))
+        if len(shape) == 5:
+            hints["num_kv_heads"], hints["head_dim"] = int(shape[3]), int(shape[4])
+        elif len(shape) == 3:
+            hints["num_kv_heads"], hints["head_dim"] = 1, int(shape[2])
+        return hints
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        from lmcache.integration.vllm.transfer import build_transfer
+
+        if not kv_caches:
+            raise ValueError("register_kv_caches got no KV cache tensors")
+        self.kv_caches = dict(kv_caches)
+        self.groups = self._derive_groups(list(self.kv_caches))
+        check_chunk_size(
+            self.chunk_size, self.vllm_block_size, [g.tokens_per_block for g in self.groups]
+        )
+        self.ctx = build_transfer(self)
+        self.link.start_heartbeat()
+
+    def _reregister(self) -> None:
+        """After a server restart: same instance_id, fresh mappings (run by the heartbeat)."""
+        if self.ctx is None:
+            return
+        self._drain_for_restart()
+        self.ctx.reregister()
+        logger.info("worker instance %d re-registered with %s", self.instance_id, self.link.url)
+
+    def _drain_for_restart(self) -> None:
+        """Transfers sent to the old server never complete: fail retrieves, drop stores."""
+        with self._lock:
+            for io in self._io.values():
+                for p in io.retrieves:
+                    if not p.future.query():
+                        p.future = _Done(False)
+                io.stores = [p for p in io.stores if p.future.query()]
+
+    # -- keys -------------------------------------------------------------------------
+    def key_for(self, meta: LMCacheMPRequestMetadata) -> IPCCacheServerKey:
+        op = meta.op
+        return IPCCacheServerKey(
+            model_name=self.model_name,
+            world_size=self.strategy.kv_world_size,
+            worker_id=self.strategy.kv_worker_id,
+            token_ids=list(op.token_ids),
+            start=op.start,
+            end=op.end,
+            request_id=meta.request_id,
+            cache_salt=meta.cache_salt,
+            num_kv_readers=self.strategy.num_kv_readers,
+        )
+
+    def _io_for(self, rid: str) -> _RequestIO:
+        io = self._io.get(rid)
+        if io is None:
+            io = self._io[rid] = _RequestIO()
+        return io
+
+    # -- retrieves ------------------------------------------------------------------------
+    def start_load(self, requests: list[LMCacheMPRequestMetadata]) -> None:
+        retrieves = [r for r in requests if r.direction == "RETRIEVE"]
+        if not retrieves:
+            return
+        healthy = self.healthy
+        with self._lock:
+            for meta in retrieves:
+                io = self._io_for(meta.request_id)
+                blocks = meta.op.all_block_ids()
+                if not healthy:
+                    fut: Any = _Done(False)
+                else:
+                    try:
+                        fut = self.ctx.submit_retrieve(
+                            self.key_for(meta), meta.op.block_ids, meta.op.skip_first_n_tokens
+                        )
+                    except Exception as exc:
+                        logger.warning("retrieve of %s failed to start: %s", meta.request_id, exc)
+                        fut = _Done(False)
+                io.retrieves.append(_Pending(fut, blocks, time.monotonic()))
+
+    # -- stores -------------------------------------------------------------------------
+    def start_store(self, requests: list[LMCacheMPRequestMetadata]) -> None:
+        stores = [r for r in requests if r.direction == "STORE"]
+        if not stores:
+            return
+        writer = self.strategy.is_kv_writer
+        healthy = self.healthy
+        with self._lock:
+            for meta in stores:
+                io = self._io_for(meta.request_id)
+                io.had_store_op = True
+                if not writer or not healthy:
+                    continue  # MLA non-writer, or degraded: nothing to wait for
+                try:
+                    fut = self.ctx.submit_store(self.key_for(meta), meta.op.block_ids)
+                except Exception as exc:
+                    logger.warning("store of %s failed to start: %s", meta.request_id, exc)
+                    continue
+                io.stores.append(_Pending(fut, meta.op.all_block_ids(), time.monotonic()))
+
+    def flush_stores(self) -> None:
+        """Before vLLM reuses blocks of preempted requests: let in-flight stores finish."""
+        deadline = time.monotonic() + self.config.mq_timeout
+        with self._lock:
+            pending = [p for io in self._io.values() for p in io.stores]
+        for p in pending:
+            if not self.healthy:
+                break
+            p.future.wait(max(0.0, deadline - time.monotonic()))
+        if self.ctx is not None:
+            self.ctx.flush()
+
+    # -- completion --------------------------------------------------------------------------
+    def _poll(self) -> tuple[set[str], set[str]]:
+        """Collect finished transfers; returns (request ids whose retrieves all ended, failed ones)."""
+        recving: set[str] = set()
+        failed: set[str] = set()
+        healthy = self.healthy
+        now = time.monotonic()
+        for rid, io in self._io.items():
+            if io.stores:
+                still = []
+                for p in io.stores:
+                    if p.future.query():
+                        ok = _outcome(p.future)
+                        if not ok:
+                            logger.warning("store for request %s was not saved by the server", rid)
+                    elif healthy:
+                        still.append(p)
+                    # unhealthy: dropped, reported as done
+                io.stores = still
+            if io.retrieves:
+                done = True
+                for p in io.retrieves:
+                    if p.future.query():
+                        if not _outcome(p.future):
+                            io.retrieve_failed = True
+                            self._load_errors.update(p.block_ids)
+                    elif not healthy or now - p.submitted_at > self.config.retrieve_timeout:
+                        if healthy:
+                            logger.warning(
+                                "retrieve for request %s unfinished after retrieve_timeout=%g s; "
+                                "failing it",
+                                rid,
+                                self.config.retrieve_timeout,
+                            )
+                        p.future = _Done(False)
+                        io.retrieve_failed = True
+                        self._load_errors.update(p.block_ids)
+                    else:
+                        done = False
+                if done:
+                    io.retrieves = []
+                    recving.add(rid)
+                    if io.retrieve_failed:
+                        failed.add(rid)
+                    io.retrieve_failed = False
+        return recving, failed
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        sending, recving, _ = self._collect(finished_req_ids)
+        return (sending or None), (recving or None)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> dict[str, set[str]]:
+        sending, recving, failed = self._collect(finished_req_ids)
+        return {"finished_sending": sending, "finished_recving": recving, "failed_recving": failed}
+
+    def _collect(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
+        with self._lock:
+            recving, failed = self._poll()
+            for rid in finished_req_ids or ():
+                io = self._io.get(rid)
+                if io is not None and io.had_store_op:
+                    self._finished_pending.add(rid)
+                else:
+                    # No STORE op was ever emitted: the scheduler freed the blocks already.
+                    self._io.pop(rid, None)
+            sending = {rid for rid in self._finished_pending if not self._io[rid].stores}
+            for rid in sending:
+                self._finished_pending.discard(rid)
+                if not self._io[rid].retrieves:
+                    del self._io[rid]
+        return sending, recving, failed
+
+    def take_load_errors(self) -> set[int]:
+        with self._lock:
+            errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def shutdown(self) -> None:
+        ctx, self.ctx = self.ctx, None
+        if ctx is not None:
+            try:
+                ctx.close(timeout=min(UNREGISTER_TIMEOUT_S, self.config.mq_timeout))
+            except Exception as exc:
+                logger.warning("unregistering instance %d failed: %s", self.instance_id, exc)
+        self.link.close()
+
+
+class _Done:
+    """An already-finished transfer (degraded mode, failed submission)."""
+
+    def __init__(self, ok: bool) -> None:
+        self.ok = ok
+
+    def query(self) -> bool:
+        return True
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return True
+
+    def result(self, timeout: float | None = None) -> bool:
+        return self.ok
+
+
+def _outcome(future: Any) -> bool:
+    try:
+        res = future.result(0)
+    except Exception as exc:
+        logger.warning("transfer failed: %s", exc)
+        return False
+    if isinstance(res, (list, tuple)):  # lmcache_driven replies [event_handle, ok]
+        res = res[-1] if res else False
+    return bool(res)

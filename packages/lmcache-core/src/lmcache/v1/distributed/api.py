@@ -1,0 +1,256 @@
+"""Public data model of the storage layer (spec storage.md §1.1, §1.6, §1.7).
+
+Plugins import these names from here: ``ObjectKey``, ``EncodedObjectKey``,
+``MemoryLayoutDesc``, ``KeyEntry``, ``KeyListPage``, ``GroupedObjectKeys``,
+``PrefetchTaskSpec``, ``PrefetchHandle``, ``PrefetchResult``.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from lmcache.lmcache_native import Bitmap
+
+__all__ = [
+    "Bytes2IntHash",
+    "ComputeKVRank",
+    "EncodedObjectKey",
+    "GroupedObjectKeys",
+    "IntHash2Bytes",
+    "KeyEntry",
+    "KeyListPage",
+    "LockMode",
+    "MemoryLayoutDesc",
+    "ObjectKey",
+    "PrefetchHandle",
+    "PrefetchLockMode",
+    "PrefetchResult",
+    "PrefetchTaskSpec",
+    "WorldSizeFromKVRank",
+]
+
+CACHE_SALT_MAX_LEN = 128
+_BAD_SALT_CHARS = frozenset({"@", "/", "\\", "\x00"})
+
+
+def ComputeKVRank(world_size: int, global_rank: int, local_world_size: int, local_rank: int) -> int:
+    """Pack four 8-bit fields: ``(ws<<24)|(rank<<16)|(local_ws<<8)|local_rank``."""
+    for name, v in (
+        ("world_size", world_size),
+        ("global_rank", global_rank),
+        ("local_world_size", local_world_size),
+        ("local_rank", local_rank),
+    ):
+        if not 0 <= int(v) <= 255:
+            raise ValueError(f"{name} must be in [0, 255] (got {v})")
+    return (world_size << 24) | (global_rank << 16) | (local_world_size << 8) | local_rank
+
+
+def WorldSizeFromKVRank(kv_rank: int) -> int:
+    return (int(kv_rank) >> 24) & 0xFF
+
+
+def IntHash2Bytes(n: int) -> bytes:
+    """Test helper: an int hash as 4 big-endian bytes."""
+    return (int(n) & 0xFFFFFFFF).to_bytes(4, "big")
+
+
+def Bytes2IntHash(b: bytes) -> int:
+    return int.from_bytes(bytes(b), "big") & 0xFFFFFFFFFFFFFFFF
+
+
+@dataclass(frozen=True)
+class ObjectKey:
+    """Identity of one stored object: (chunk hash, model, kv rank, object group, salt)."""
+
+    chunk_hash: bytes
+    model_name: str
+    kv_rank: int
+    object_group_id: int = 0
+    cache_salt: str = ""
+
+    def __post_init__(self) -> None:
+        if "@" in self.model_name:
+            raise ValueError(f"model_name must not contain '@' (got {self.model_name!r})")
+        if self.object_group_id < 0:
+            raise ValueError(f"object_group_id must be >= 0 (got {self.object_group_id})")
+        salt = self.cache_salt
+        if salt:
+            if any(c in _BAD_SALT_CHARS for c in salt):
+                bad = sorted(_BAD_SALT_CHARS)
+                raise ValueError(f"cache_salt must not contain {bad!r} (got {salt!r})")
+            if len(salt) > CACHE_SALT_MAX_LEN:
+                raise ValueError(f"cache_salt exceeds max length {CACHE_SALT_MAX_LEN} (got {len(salt)})")
+
+    # 0.5.x helpers kept as static methods on the class
+    ComputeKVRank = staticmethod(ComputeKVRank)
+    WorldSizeFromKVRank = staticmethod(WorldSizeFromKVRank)
+    IntHash2Bytes = staticmethod(IntHash2Bytes)
+    Bytes2IntHash = staticmethod(Bytes2IntHash)
+
+    def world_size(self) -> int:
+        return WorldSizeFromKVRank(self.kv_rank)
+
+    def to_encoded_object_key(self) -> EncodedObjectKey:
+        return EncodedObjectKey(
+            chunk_hash_hex=bytes(self.chunk_hash).hex(),
+            model_name=self.model_name,
+            kv_rank=self.kv_rank,
+            object_group_id=self.object_group_id,
+            cache_salt=self.cache_salt,
+        )
+
+
+@dataclass(frozen=True)
+class EncodedObjectKey:
+    """JSON-safe form of an ObjectKey (the HTTP API and key listings use it)."""
+
+    chunk_hash_hex: str
+    model_name: str
+    kv_rank: int
+    object_group_id: int = 0
+    cache_salt: str = ""
+
+    def to_object_key(self) -> ObjectKey:
+        try:
+            chunk_hash = bytes.fromhex(self.chunk_hash_hex)
+        except ValueError as exc:
+            raise ValueError(f"chunk_hash_hex is not hex (got {self.chunk_hash_hex!r})") from exc
+        return ObjectKey(
+            chunk_hash, self.model_name, int(self.kv_rank), int(self.object_group_id), self.cache_salt
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "chunk_hash_hex": self.chunk_hash_hex,
+            "model_name": self.model_name,
+            "kv_rank": self.kv_rank,
+            "object_group_id": self.object_group_id,
+            "cache_salt": self.cache_salt,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> EncodedObjectKey:
+        return cls(
+            str(d["chunk_hash_hex"]),
+            str(d["model_name"]),
+            int(d["kv_rank"]),
+            int(d.get("object_group_id", 0)),
+            str(d.get("cache_salt", "")),
+        )
+
+
+@dataclass
+class MemoryLayoutDesc:
+    """Shapes and dtypes of the groups one memory object holds (one object, all groups)."""
+
+    shapes: list[torch.Size]
+    dtypes: list[torch.dtype]
+
+    def __post_init__(self) -> None:
+        if len(self.shapes) != len(self.dtypes):
+            raise ValueError(
+                f"MemoryLayoutDesc needs as many dtypes as shapes (got {len(self.shapes)} shapes, "
+                f"{len(self.dtypes)} dtypes)"
+            )
+        self.shapes = [torch.Size(s) for s in self.shapes]
+
+    def nbytes(self) -> int:
+        total = 0
+        for s, d in zip(self.shapes, self.dtypes):
+            total += s.numel() * torch.empty((), dtype=d).element_size()
+        return total
+
+
+@dataclass(frozen=True)
+class KeyEntry:
+    key: EncodedObjectKey
+    size_bytes: int
+
+
+@dataclass
+class KeyListPage:
+    entries: list[KeyEntry]
+    next_page_token: str | None = None
+
+
+class LockMode(enum.Enum):
+    LOCK = "lock"
+    NO_LOCK = "no_lock"
+
+
+PrefetchLockMode = LockMode
+
+
+@dataclass
+class GroupedObjectKeys:
+    """One row per (object group, kv rank); column j is chunk j."""
+
+    keys: list[ObjectKey]
+    object_group_id: int
+    layout_desc: MemoryLayoutDesc
+    sliding_window_size: int = -1
+
+
+@dataclass
+class PrefetchTaskSpec:
+    key_groups: list[GroupedObjectKeys]
+    num_kv_readers: int = 1
+    fetching_policy: str = "prefix"
+    lock_mode: LockMode = LockMode.LOCK
+
+    def __post_init__(self) -> None:
+        if self.fetching_policy not in ("prefix", "full"):
+            raise ValueError(f"fetching_policy must be 'prefix' or 'full' (got {self.fetching_policy!r})")
+        lengths = {len(g.keys) for g in self.key_groups}
+        if len(lengths) > 1:
+            raise ValueError(f"all key rows must have the same length (got {sorted(lengths)})")
+        if self.num_kv_readers < 1:
+            raise ValueError(f"num_kv_readers must be >= 1 (got {self.num_kv_readers})")
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self.key_groups[0].keys) if self.key_groups else 0
+
+    def all_keys(self) -> list[ObjectKey]:
+        return [k for g in self.key_groups for k in g.keys]
+
+
+@dataclass
+class PrefetchHandle:
+    prefetch_request_id: int
+    external_request_id: str
+    total_requested_keys: int
+    submit_time: float
+    sliding_windows: list[int] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.prefetch_request_id == -1
+
+
+@dataclass
+class PrefetchResult:
+    """One Bitmap per row. l1 and l2 hits are disjoint; their union is ``hit_cells``.
+
+    ``l1_owners[row][col]`` is the index of the L1 manager that holds the locked cell
+    (-1 outside the hit).
+    """
+
+    hit_cells: list[Bitmap]
+    l1_hit_cells: list[Bitmap]
+    l2_hit_cells: list[Bitmap]
+    found_cells: list[Bitmap] | None = None
+    l1_owners: list[list[int]] = field(default_factory=list)
+
+    def hit_prefix_length(self) -> int:
+        if not self.hit_cells:
+            return 0
+        return min(bm.count_leading_ones() for bm in self.hit_cells)
+
+    def num_hit_keys(self) -> int:
+        return sum(bm.popcount() for bm in self.hit_cells)

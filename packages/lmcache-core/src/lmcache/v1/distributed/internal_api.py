@@ -1,0 +1,179 @@
+"""Internal contracts between L1, controllers and adapters (spec storage.md §1.6, §1.7, §2.4).
+
+Import surface: ``L2StoreResult``, ``L1MemoryDesc``, ``L2AdapterListener``,
+``L1ManagerListener``, ``L1ManagerInterface`` (plus ``L1Error``).
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey
+    from lmcache.v1.memory_management import MemoryObj
+
+__all__ = [
+    "L1Error",
+    "L1ManagerInterface",
+    "L1ManagerListener",
+    "L1MemoryDesc",
+    "L1OperationResult",
+    "L2AdapterListener",
+    "L2StoreResult",
+]
+
+
+class L2StoreResult(int):
+    """Store outcome as an int: bytes written on success, -1 on failure.
+
+    A successful zero-byte store is the int 0, which is falsy: use ``is_successful()``.
+    """
+
+    def __new__(cls, success: bool = True, bytes_transferred: int = 0) -> L2StoreResult:
+        bytes_transferred = int(bytes_transferred)
+        if bytes_transferred < 0:
+            raise ValueError(f"bytes_transferred must be >= 0, got {bytes_transferred}")
+        return super().__new__(cls, bytes_transferred if success else -1)
+
+    def is_successful(self) -> bool:
+        return int(self) >= 0
+
+    def bytes_transferred(self) -> int:
+        return max(0, int(self))
+
+    def __repr__(self) -> str:
+        if self.is_successful():
+            return f"L2StoreResult(success=True, bytes={int(self)})"
+        return "L2StoreResult(success=False)"
+
+    @classmethod
+    def normalise(cls, value: Any, objects: Sequence[Any] = ()) -> tuple[L2StoreResult, bool]:
+        """Accept legacy store results (spec §4.3). Returns (result, was_legacy)."""
+        if isinstance(value, L2StoreResult):
+            return value, False
+        if value is True:
+            return cls(True, sum(int(o.get_size()) for o in objects)), True
+        if value is False or value is None:
+            return cls(False, 0), True
+        if isinstance(value, int):
+            return (cls(True, value) if value >= 0 else cls(False, 0)), True
+        return cls(False, 0), True
+
+
+@dataclass(frozen=True)
+class L1MemoryDesc:
+    """The contiguous L1 arena, for adapters that register memory (RDMA, NIXL)."""
+
+    ptr: int
+    size: int
+    align_bytes: int
+    stable_registration_size: int | None = None
+
+
+class L1Error(enum.Enum):
+    SUCCESS = 0
+    KEY_NOT_EXIST = 1
+    KEY_NOT_READABLE = 2
+    KEY_NOT_WRITABLE = 3
+    KEY_IN_WRONG_STATE = 4
+    KEY_IS_LOCKED = 5
+    OUT_OF_MEMORY = 6
+
+
+L1OperationResult = tuple[L1Error, "MemoryObj | None"]
+
+
+class L1ManagerListener:
+    """Receives L1 state changes; called inside the L1 lock, so it must only record."""
+
+    def on_l1_keys_reserved_read(self, keys: list[ObjectKey]) -> None:
+        pass
+
+    def on_l1_keys_read_finished(self, keys: list[ObjectKey]) -> None:
+        pass
+
+    def on_l1_keys_reserved_write(self, keys: list[ObjectKey]) -> None:
+        pass
+
+    def on_l1_keys_write_finished(self, keys: list[ObjectKey]) -> None:
+        pass
+
+    def on_l1_keys_finish_write_and_reserve_read(self, keys: list[ObjectKey]) -> None:
+        pass
+
+    def on_l1_keys_deleted_by_manager(self, keys: list[ObjectKey]) -> None:
+        pass
+
+    def on_l1_keys_accessed(self, keys: list[ObjectKey]) -> None:
+        pass
+
+
+class L2AdapterListener:
+    def on_l2_keys_stored(self, keys: list[ObjectKey], sizes: list[int]) -> None:
+        pass
+
+    def on_l2_keys_accessed(self, keys: list[ObjectKey]) -> None:
+        pass
+
+    def on_l2_keys_deleted(self, keys: list[ObjectKey]) -> None:
+        pass
+
+
+class L1ManagerInterface(abc.ABC):
+    """Batch API of one L1 manager; every call is atomic and reports per-key errors."""
+
+    @abc.abstractmethod
+    def reserve_write(
+        self,
+        keys: list[ObjectKey],
+        is_temporary: list[bool],
+        layout_desc: MemoryLayoutDesc,
+        tag: str = "",
+    ) -> dict[ObjectKey, L1OperationResult]: ...
+
+    @abc.abstractmethod
+    def finish_write(self, keys: list[ObjectKey], tag: str = "") -> dict[ObjectKey, L1Error]: ...
+
+    @abc.abstractmethod
+    def finish_write_and_reserve_read(
+        self, keys: list[ObjectKey], read_locks: int = 1, tag: str = ""
+    ) -> dict[ObjectKey, L1OperationResult]: ...
+
+    @abc.abstractmethod
+    def finish_write_and_delete(self, keys: list[ObjectKey], tag: str = "") -> dict[ObjectKey, L1Error]: ...
+
+    @abc.abstractmethod
+    def reserve_read(
+        self, keys: list[ObjectKey], read_locks: int = 1
+    ) -> dict[ObjectKey, L1OperationResult]: ...
+
+    @abc.abstractmethod
+    def unsafe_read(self, keys: list[ObjectKey]) -> dict[ObjectKey, L1OperationResult]: ...
+
+    @abc.abstractmethod
+    def finish_read(self, keys: list[ObjectKey], read_locks: int = 1) -> dict[ObjectKey, L1Error]: ...
+
+    @abc.abstractmethod
+    def delete(self, keys: list[ObjectKey], force: bool = False) -> dict[ObjectKey, L1Error]: ...
+
+    @abc.abstractmethod
+    def touch_keys(self, keys: list[ObjectKey]) -> None: ...
+
+    @abc.abstractmethod
+    def get_memory_usage(self) -> tuple[int, int]: ...
+
+    @abc.abstractmethod
+    def get_l1_memory_desc(self) -> L1MemoryDesc | None: ...
+
+    @abc.abstractmethod
+    def register_listener(self, listener: L1ManagerListener) -> None: ...
+
+    @abc.abstractmethod
+    def report_status(self) -> dict[str, Any]: ...
+
+    @abc.abstractmethod
+    def close(self) -> None: ...

@@ -1,0 +1,318 @@
+"""L2 adapter configuration, type registry and ``--l2-adapter`` parsing (spec §6).
+
+Every JSON object given to ``--l2-adapter`` names a registered ``type``; its config class
+(a ``L2AdapterConfigBase`` subclass) parses the rest with ``from_dict``. Types come from
+core (plugin, native_plugin, mock, fault_inject) and from wheels through the
+``lmcache.l2_adapters`` entry-point group (see ``factory`` and ``hookspecs``).
+"""
+
+from __future__ import annotations
+
+import abc
+import argparse
+import difflib
+import json
+import threading
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from lmcache.utils import init_logger
+from lmcache.v1.distributed.config import EvictionConfig
+
+if TYPE_CHECKING:
+    from lmcache.v1.distributed.internal_api import L1MemoryDesc
+    from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface
+
+logger = init_logger(__name__)
+
+__all__ = [
+    "GENERIC_FIELDS",
+    "L2AdapterConfigBase",
+    "L2AdaptersConfig",
+    "PersistConfig",
+    "SerdeConfig",
+    "add_l2_adapters_args",
+    "create_l2_adapter_from_registry",
+    "get_l2_adapter_config_class",
+    "get_registered_l2_adapter_types",
+    "get_type_name_for_config",
+    "parse_args_to_l2_adapters_config",
+    "register_l2_adapter_type",
+]
+
+GENERIC_FIELDS = frozenset({"type", "affinity_tag", "shared", "eviction", "persist_enabled", "serde"})
+
+
+@dataclass
+class PersistConfig:
+    persist_enabled: bool = True
+
+
+@dataclass
+class SerdeConfig:
+    type: str
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+class L2AdapterConfigBase(abc.ABC):
+    """Base of every adapter config. The parser sets the generic attributes after ``from_dict``.
+
+    A subclass MAY declare ``known_fields: frozenset[str]``; unknown top-level keys then log
+    a warning naming the closest known field (they are never rejected).
+    """
+
+    affinity_tag: str = "_default"
+    shared: bool = False
+    eviction_config: EvictionConfig | None = None
+    persist_config: PersistConfig = PersistConfig(persist_enabled=True)
+    serde_config: SerdeConfig | None = None
+
+    @classmethod
+    @abc.abstractmethod
+    def from_dict(cls, d: dict[str, Any]) -> L2AdapterConfigBase: ...
+
+    @classmethod
+    @abc.abstractmethod
+    def help(cls) -> str: ...
+
+    # --- static helpers for subclasses and the parser ---------------------------------
+
+    @staticmethod
+    def _parse_eviction_config(d: dict[str, Any]) -> EvictionConfig | None:
+        ev = d.get("eviction")
+        if ev is None:
+            return None
+        if not isinstance(ev, dict):
+            raise ValueError(f"'eviction' must be a dict, got {type(ev).__name__}")
+        policy = ev.get("eviction_policy")
+        if policy not in ("LRU", "ARC", "IsolatedLRU", "noop"):
+            raise ValueError(
+                f"eviction.eviction_policy must be 'LRU', 'ARC', 'IsolatedLRU', or 'noop', got {policy!r}"
+            )
+        return EvictionConfig(
+            eviction_policy=policy,
+            trigger_watermark=ev.get("trigger_watermark", 0.8),
+            eviction_ratio=ev.get("eviction_ratio", 0.2),
+        )
+
+    @staticmethod
+    def _parse_persist_config(d: dict[str, Any]) -> PersistConfig:
+        return PersistConfig(persist_enabled=bool(d.get("persist_enabled", True)))
+
+    @staticmethod
+    def _parse_serde_config(d: dict[str, Any]) -> SerdeConfig | None:
+        s = d.get("serde")
+        if s is None:
+            return None
+        if not isinstance(s, dict):
+            raise ValueError(f"'serde' must be a dict, got {type(s).__name__}")
+        if "type" not in s:
+            raise ValueError("'serde' dict must include a 'type' field")
+        kwargs = {k: v for k, v in s.items() if k != "type"}
+        return SerdeConfig(type=str(s["type"]), kwargs=kwargs)
+
+    @staticmethod
+    def _validate_num_workers(raw: Any) -> int:
+        if isinstance(raw, bool) or not isinstance(raw, int) or raw <= 0:
+            raise ValueError("num_workers must be a positive integer")
+        return raw
+
+    @staticmethod
+    def _validate_per_op_workers(m: dict[str, Any]) -> dict[str, int]:
+        for k, v in m.items():
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ValueError(f"per_op_workers[{k!r}] must be a positive integer, got {v!r}")
+        return dict(m)
+
+    @staticmethod
+    def _parse_per_op_workers_from_dict(d: dict[str, Any]) -> dict[str, int]:
+        m = d.get("per_op_workers", {})
+        if not isinstance(m, dict):
+            raise ValueError("per_op_workers must be a dict")
+        for k, v in m.items():
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise ValueError(f"per_op_workers[{k!r}] must be an integer, got {type(v).__name__}")
+        return L2AdapterConfigBase._validate_per_op_workers(m)
+
+
+@dataclass
+class L2AdaptersConfig:
+    adapters: list[L2AdapterConfigBase] = field(default_factory=list)
+
+
+# --- registry ----------------------------------------------------------------------------
+
+_REGISTRY_LOCK = threading.RLock()
+_TYPES: dict[str, type[L2AdapterConfigBase]] = {}  # canonical names and aliases
+_ALIASES: dict[str, str] = {}  # alias -> canonical
+
+
+def register_l2_adapter_type(name: str, cls: type[L2AdapterConfigBase]) -> None:
+    with _REGISTRY_LOCK:
+        if name in _TYPES:
+            raise ValueError(f"L2 adapter type already registered: {name!r}")
+        _TYPES[name] = cls
+
+
+def _register_alias(alias: str, canonical: str) -> None:
+    with _REGISTRY_LOCK:
+        if alias in _TYPES:
+            raise ValueError(f"L2 adapter type already registered: {alias!r}")
+        _TYPES[alias] = _TYPES[canonical]
+        _ALIASES[alias] = canonical
+
+
+def _is_registered(name: str) -> bool:
+    return name in _TYPES
+
+
+def _load(name: str | None) -> None:
+    from lmcache.v1.distributed.l2_adapters import factory
+
+    if name is None:
+        factory.load_all_l2_adapter_types()
+    else:
+        factory.ensure_adapter_loaded(name, raise_import_error=False)
+
+
+def get_l2_adapter_config_class(t: str) -> type[L2AdapterConfigBase]:
+    if t not in _TYPES:
+        _load(t)
+    try:
+        return _TYPES[t]
+    except KeyError:
+        raise ValueError(f"unknown L2 adapter type {t!r}") from None
+
+
+def get_registered_l2_adapter_types() -> list[str]:
+    _load(None)
+    with _REGISTRY_LOCK:
+        return sorted(_TYPES)
+
+
+def get_type_name_for_config(cfg: L2AdapterConfigBase) -> str:
+    cls = type(cfg)
+    with _REGISTRY_LOCK:
+        names = [n for n, c in _TYPES.items() if c is cls]
+    if not names:
+        _load(None)
+        with _REGISTRY_LOCK:
+            names = [n for n, c in _TYPES.items() if c is cls]
+    canonical = [n for n in names if n not in _ALIASES]
+    if canonical:
+        return canonical[0]
+    if names:
+        return _ALIASES[names[0]]
+    raise ValueError(f"Unregistered L2 adapter config type: {cls.__name__}")
+
+
+def canonical_type_name(name: str) -> str:
+    return _ALIASES.get(name, name)
+
+
+def aliases_of(name: str) -> tuple[str, ...]:
+    with _REGISTRY_LOCK:
+        return tuple(sorted(a for a, c in _ALIASES.items() if c == name))
+
+
+def create_l2_adapter_from_registry(
+    cfg: L2AdapterConfigBase, l1_memory_desc: L1MemoryDesc | None = None
+) -> L2AdapterInterface:
+    """Also exported here (IMPROVE §0.1): see ``factory.create_l2_adapter_from_registry``."""
+    from lmcache.v1.distributed.l2_adapters.factory import (
+        create_l2_adapter_from_registry as _create,
+    )
+
+    return _create(cfg, l1_memory_desc)
+
+
+# --- --l2-adapter ---------------------------------------------------------------------------
+
+
+def _help_example() -> str:
+    with _REGISTRY_LOCK:
+        has_fs = "fs" in _TYPES
+    if has_fs:
+        return '{"type":"fs","base_path":"/data/lmcache"}'
+    return '{"type":"mock","max_size_gb":1.0,"mock_bandwidth_gb":10.0}'
+
+
+def add_l2_adapters_args(parser: argparse.ArgumentParser | Any) -> None:
+    """Add the repeatable ``--l2-adapter JSON`` flag (group "L2 Adapters")."""
+    types = get_registered_l2_adapter_types()
+    group = parser.add_argument_group("L2 Adapters")
+    group.add_argument(
+        "--l2-adapter",
+        action="append",
+        default=[],
+        metavar="JSON",
+        dest="l2_adapter",
+        help=(
+            "L2 adapter as a JSON object, repeatable (cascade in argument order). "
+            f"Types: {', '.join(types) or '(none)'}. Example: '{_help_example()}'"
+        ),
+    )
+
+
+def _warn_unknown_fields(i: int, t: str, cls: type, d: dict[str, Any]) -> None:
+    known = getattr(cls, "known_fields", None)
+    if not known:
+        return
+    allowed = set(known) | GENERIC_FIELDS
+    for k in sorted(set(d) - allowed):
+        close = difflib.get_close_matches(k, sorted(allowed), n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        logger.warning("--l2-adapter #%d (type %r): unknown field %r ignored%s", i, t, k, hint)
+
+
+def build_config_from_dict(cls: type[L2AdapterConfigBase], d: dict[str, Any]) -> L2AdapterConfigBase:
+    """``cls.from_dict`` plus the generic fields (affinity_tag, shared, eviction, persist, serde)."""
+    cfg = cls.from_dict({k: v for k, v in d.items() if k != "affinity_tag"})
+    tag = d.get("affinity_tag", "_default")
+    if not isinstance(tag, str) or not tag:
+        raise ValueError("affinity_tag must be a non-empty string")
+    cfg.affinity_tag = tag
+    cfg.shared = bool(d.get("shared", False))
+    cfg.eviction_config = L2AdapterConfigBase._parse_eviction_config(d)
+    cfg.persist_config = L2AdapterConfigBase._parse_persist_config(d)
+    cfg.serde_config = L2AdapterConfigBase._parse_serde_config(d)
+    return cfg
+
+
+def parse_l2_adapter_dict(i: int, d: Any) -> L2AdapterConfigBase:
+    """Parse one decoded ``--l2-adapter`` object (``i`` is its 1-based index)."""
+    if not isinstance(d, dict):
+        raise ValueError(f"--l2-adapter #{i}: expected a JSON object, got {type(d).__name__}")
+    if "type" not in d:
+        raise ValueError(f"--l2-adapter #{i}: missing 'type' field")
+    t = d["type"]
+    try:
+        cls = get_l2_adapter_config_class(t) if isinstance(t, str) else None
+    except ValueError:
+        cls = None
+    if cls is None:
+        known = get_registered_l2_adapter_types()
+        raise ValueError(
+            f"--l2-adapter #{i}: unknown adapter type {t!r}. Known: {', '.join(known) or '(none)'}"
+        )
+    try:
+        _warn_unknown_fields(i, t, cls, d)
+        cfg = build_config_from_dict(cls, d)
+    except (TypeError, ValueError) as exc:
+        rule = "-" * 60
+        logger.error(
+            "Error parsing --l2-adapter #%d (type %r): %s\n%s\n%s\n%s", i, t, exc, rule, cls.help(), rule
+        )
+        raise ValueError(f"--l2-adapter #{i} ({t!r}): {exc}") from exc
+    return cfg
+
+
+def parse_args_to_l2_adapters_config(args: argparse.Namespace) -> L2AdaptersConfig:
+    adapters = []
+    for i, raw in enumerate(getattr(args, "l2_adapter", None) or [], start=1):
+        try:
+            d = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"Invalid JSON for --l2-adapter #{i}: {exc}") from exc
+        adapters.append(parse_l2_adapter_dict(i, d))
+    return L2AdaptersConfig(adapters=adapters)

@@ -1,0 +1,254 @@
+"""``mock`` L2 type (test-only, spec §8.6): an in-memory store that emulates bandwidth.
+
+Stores deep copies; duplicate keys and keys that do not fit are skipped while the task still
+succeeds with only the newly stored bytes. Lookup takes refcount locks, load copies, delete
+removes unlocked keys and notifies.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from lmcache.lmcache_native import Bitmap
+from lmcache.utils import init_logger
+from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey
+from lmcache.v1.distributed.internal_api import L1MemoryDesc, L2StoreResult
+from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface, L2TaskId
+from lmcache.v1.distributed.l2_adapters.config import (
+    L2AdapterConfigBase,
+    register_l2_adapter_type,
+)
+from lmcache.v1.distributed.l2_adapters.factory import register_l2_adapter_factory
+from lmcache.v1.distributed.l2_adapters.utils import KeyLockTable, OnceResults, TaskIds
+from lmcache.v1.memory_management import MemoryObj
+from lmcache.v1.platform.event_notifier import create_event_notifier
+
+logger = init_logger(__name__)
+
+GiB = 1 << 30
+
+
+def _positive_number(d: dict[str, Any], key: str) -> float:
+    v = d.get(key)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
+        raise ValueError(f"{key} must be a positive number")
+    return float(v)
+
+
+@dataclass
+class MockL2AdapterConfig(L2AdapterConfigBase):
+    max_size_gb: float
+    mock_bandwidth_gb: float
+
+    known_fields = frozenset({"max_size_gb", "mock_bandwidth_gb"})
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> MockL2AdapterConfig:
+        return cls(
+            max_size_gb=_positive_number(d, "max_size_gb"),
+            mock_bandwidth_gb=_positive_number(d, "mock_bandwidth_gb"),
+        )
+
+    @classmethod
+    def help(cls) -> str:
+        return (
+            "mock L2 adapter (testing only): in-memory, bandwidth-limited.\n"
+            "  max_size_gb (float, required, > 0): capacity in GiB\n"
+            "  mock_bandwidth_gb (float, required, > 0): emulated bandwidth in GiB/s\n"
+            'Example: {"type":"mock","max_size_gb":1.0,"mock_bandwidth_gb":10.0}'
+        )
+
+
+class MockL2Adapter(L2AdapterInterface):
+    def __init__(self, config: MockL2AdapterConfig, l1_memory_desc: L1MemoryDesc | None = None):
+        super().__init__(max_capacity_bytes=int(config.max_size_gb * GiB))
+        self._bandwidth = config.mock_bandwidth_gb * GiB
+        self._data: dict[ObjectKey, bytes] = {}
+        self._used = 0
+        self._mu = threading.Lock()
+        self._locks = KeyLockTable()
+        self._ids = TaskIds()
+        self._store_n, self._lookup_n, self._load_n = (create_event_notifier() for _ in range(3))
+        self._store_done = OnceResults()
+        self._lookup_done = OnceResults()
+        self._load_done = OnceResults()
+        self._jobs: queue.Queue[Any] = queue.Queue()
+        self._closed = False
+        self._worker = threading.Thread(target=self._run, name="mock-l2-adapter", daemon=True)
+        self._worker.start()
+
+    # fds
+    def get_store_event_fd(self) -> int:
+        return self._store_n.fileno()
+
+    def get_lookup_and_lock_event_fd(self) -> int:
+        return self._lookup_n.fileno()
+
+    def get_load_event_fd(self) -> int:
+        return self._load_n.fileno()
+
+    # worker
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            try:
+                job()
+            except Exception:
+                logger.exception("mock L2 adapter job failed")
+
+    def _delay(self, nbytes: int) -> None:
+        if nbytes > 0:
+            time.sleep(nbytes / self._bandwidth)
+
+    def _submit(self, fn: Any) -> None:
+        if self._closed:
+            raise RuntimeError("mock L2 adapter is closed")
+        self._jobs.put(fn)
+
+    # store
+    def submit_store_task(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> L2TaskId:
+        tid = self._ids.next()
+        payload = [bytes(o.byte_array) for o in objects]  # the caller's buffer is read now
+
+        def job() -> None:
+            self._delay(sum(len(p) for p in payload))
+            new_keys, new_sizes = [], []
+            with self._mu:
+                for k, data in zip(keys, payload):
+                    if k in self._data:
+                        continue
+                    if self._used + len(data) > self._max_capacity_bytes:
+                        continue
+                    self._data[k] = data
+                    self._used += len(data)
+                    new_keys.append(k)
+                    new_sizes.append(len(data))
+            if new_keys:
+                self._notify_keys_stored(new_keys, new_sizes)
+            self._store_done.put(tid, L2StoreResult(True, sum(new_sizes)))
+            self._store_n.notify()
+
+        self._submit(job)
+        return tid
+
+    def pop_completed_store_tasks(self) -> dict[L2TaskId, L2StoreResult]:
+        return self._store_done.take_all()
+
+    # lookup
+    def submit_lookup_and_lock_task(
+        self,
+        keys: list[ObjectKey],
+        group_layout_descs: dict[int, MemoryLayoutDesc] | None = None,
+    ) -> L2TaskId:
+        tid = self._ids.next()
+
+        def job() -> None:
+            bm = Bitmap(len(keys))
+            found = []
+            with self._mu:
+                for i, k in enumerate(keys):
+                    if k in self._data:
+                        bm.set(i)
+                        found.append(k)
+                self._locks.lock(found)
+            self._lookup_done.put(tid, bm)
+            self._lookup_n.notify()
+
+        self._submit(job)
+        return tid
+
+    def query_lookup_and_lock_result(self, task_id: L2TaskId) -> Bitmap | None:
+        return self._lookup_done.take(task_id)
+
+    def submit_unlock(self, keys: list[ObjectKey]) -> None:
+        self._locks.unlock(keys)
+
+    # load
+    def submit_load_task(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> L2TaskId:
+        tid = self._ids.next()
+
+        def job() -> None:
+            bm = Bitmap(len(keys))
+            loaded = []
+            total = 0
+            for i, (k, o) in enumerate(zip(keys, objects)):
+                with self._mu:
+                    data = self._data.get(k)
+                if data is None:
+                    continue
+                dst = o.byte_array
+                if len(dst) != len(data):
+                    continue  # a length mismatch is a miss
+                dst[:] = data
+                total += len(data)
+                bm.set(i)
+                loaded.append(k)
+            self._delay(total)
+            if loaded:
+                self._notify_keys_accessed(loaded)
+            self._load_done.put(tid, bm)
+            self._load_n.notify()
+
+        self._submit(job)
+        return tid
+
+    def query_load_result(self, task_id: L2TaskId) -> Bitmap | None:
+        return self._load_done.take(task_id)
+
+    # eviction
+    def delete(self, keys: list[ObjectKey]) -> None:
+        removed, sizes = [], []
+        with self._mu:
+            for k in keys:
+                if k in self._data and not self._locks.is_locked(k):
+                    sizes.append(len(self._data.pop(k)))
+                    self._used -= sizes[-1]
+                    removed.append(k)
+        if removed:
+            self._notify_keys_deleted(removed, sizes)
+
+    # debug helpers
+    def debug_has_key(self, key: ObjectKey) -> bool:
+        with self._mu:
+            return key in self._data
+
+    def debug_num_keys(self) -> int:
+        with self._mu:
+            return len(self._data)
+
+    def debug_used_bytes(self) -> int:
+        with self._mu:
+            return self._used
+
+    def report_status(self) -> dict[str, Any]:
+        return {
+            "is_healthy": self._worker.is_alive() and not self._closed,
+            "type_name": "mock",
+            "num_keys": self.debug_num_keys(),
+            "used_bytes": self.debug_used_bytes(),
+            "capacity_bytes": self._max_capacity_bytes,
+        }
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._jobs.put(None)
+        self._worker.join(timeout=5)
+        for n in (self._store_n, self._lookup_n, self._load_n):
+            n.close()
+
+
+def _create(config: L2AdapterConfigBase, l1_memory_desc: L1MemoryDesc | None) -> MockL2Adapter:
+    assert isinstance(config, MockL2AdapterConfig)
+    return MockL2Adapter(config, l1_memory_desc)
+
+
+register_l2_adapter_type("mock", MockL2AdapterConfig)
+register_l2_adapter_factory("mock", _create)

@@ -1,0 +1,331 @@
+"""Bridge from a native connector (one fd, mixed completions) to ``L2AdapterInterface`` (§7.2).
+
+Constructor::
+
+    NativeConnectorL2Adapter(native_client, max_capacity_gb=0, type_name="",
+                             extra_status=None, pad_buffers_to_alignment=False)
+
+``native_client`` is any object with the §7.1 methods: ``event_fd() -> int``,
+``submit_batch_get(keys: list[str], memoryviews) -> int``, ``submit_batch_set(keys, memoryviews)
+-> int``, ``submit_batch_exists(keys) -> int``, optional ``submit_batch_delete(keys) -> int``,
+``drain_completions() -> list[(future_id, ok, error, result_bools | None)]`` and ``close()``.
+The pybind11 clients of lmcache-fs and lmcache-redis are wrapped with it, e.g.
+``NativeConnectorL2Adapter(LMCacheFSClient(...), max_capacity_gb=cfg.max_capacity_gb,
+type_name="fs_native", pad_buffers_to_alignment=cfg.use_odirect)``.
+
+The bridge owns three notifiers (store, lookup, load) and a daemon demux thread
+(``l2-adapter-demux``) that polls the native fd and routes completions by future id. Keys become
+§1.2 strings; buffers become ``byte_array`` memoryviews (the full physical slot, tail zeroed,
+when padding is on). L2 locks are client-side refcounts with a 300 s TTL; ``delete`` skips
+locked keys.
+"""
+
+from __future__ import annotations
+
+import select
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from lmcache.lmcache_native import Bitmap
+from lmcache.utils import init_logger
+from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey
+from lmcache.v1.distributed.internal_api import L2StoreResult
+from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface, L2TaskId
+from lmcache.v1.distributed.l2_adapters.key_codec import object_key_to_string
+from lmcache.v1.distributed.l2_adapters.utils import KeyLockTable, OnceResults, TaskIds
+from lmcache.v1.memory_management import MemoryObj, TensorMemoryObj
+from lmcache.v1.platform.event_notifier import create_event_notifier
+
+logger = init_logger(__name__)
+
+__all__ = ["NativeConnectorL2Adapter", "_object_key_to_string"]
+
+GiB = 1 << 30
+DELETE_TIMEOUT_S = 30.0
+POLL_MS = 500
+
+
+def _object_key_to_string(key: ObjectKey) -> str:
+    """0.5.x helper name; the codec lives in ``key_codec``."""
+    return object_key_to_string(key)
+
+
+@dataclass
+class _Pending:
+    op: str  # "store" | "lookup" | "load" | "delete"
+    task_id: int
+    n: int
+    keys: list[ObjectKey]
+    sizes: list[int]
+    buffers: list[Any]  # keeps views alive until the completion is drained
+    waiter: threading.Event | None = None
+
+
+class NativeConnectorL2Adapter(L2AdapterInterface):
+    def __init__(
+        self,
+        native_client: Any,
+        max_capacity_gb: float = 0,
+        type_name: str = "",
+        extra_status: dict[str, Any] | Callable[[], dict[str, Any]] | None = None,
+        pad_buffers_to_alignment: bool = False,
+    ) -> None:
+        super().__init__(max_capacity_bytes=int(float(max_capacity_gb) * GiB))
+        self._client = native_client
+        self._type_name = type_name or type(native_client).__name__
+        self._extra_status = extra_status
+        self._pad = bool(pad_buffers_to_alignment)
+        self._has_delete = callable(getattr(native_client, "submit_batch_delete", None))
+        self._lock = threading.Lock()
+        self._ids = TaskIds()
+        self._pending: dict[int, _Pending] = {}
+        self._local_future = -1  # negative ids for work completed without the connector
+        self._known: dict[ObjectKey, int] = {}  # stored key -> size charged
+        self._locks = KeyLockTable()
+        self._store_n, self._lookup_n, self._load_n = (create_event_notifier() for _ in range(3))
+        self._store_done = OnceResults()
+        self._lookup_done = OnceResults()
+        self._load_done = OnceResults()
+        self._closed = False
+        self._healthy = True
+        self._demux_errors = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._demux_loop, name="l2-adapter-demux", daemon=True)
+        self._thread.start()
+
+    # --- fds -----------------------------------------------------------------------------
+
+    def get_store_event_fd(self) -> int:
+        return self._store_n.fileno()
+
+    def get_lookup_and_lock_event_fd(self) -> int:
+        return self._lookup_n.fileno()
+
+    def get_load_event_fd(self) -> int:
+        return self._load_n.fileno()
+
+    # --- submit path ------------------------------------------------------------------------
+
+    def _view(self, obj: MemoryObj) -> tuple[memoryview, int]:
+        if (
+            self._pad
+            and isinstance(obj, TensorMemoryObj)
+            and obj.get_physical_size() > obj.get_size()
+        ):
+            full = obj.physical_byte_array()
+            logical = obj.get_size()
+            full[logical:] = bytes(len(full) - logical)  # never ship stale allocator bytes
+            return full, len(full)
+        view = obj.byte_array
+        return view, len(view)
+
+    def _submit(self, op: str, keys: list[ObjectKey], objects: list[MemoryObj] | None,
+                waiter: threading.Event | None = None) -> int:
+        task_id = self._ids.next()
+        if not keys:
+            self._complete_locally(op, task_id, waiter)
+            return task_id
+        names = [object_key_to_string(k) for k in keys]
+        views: list[Any] = []
+        sizes: list[int] = []
+        if objects is not None:
+            for o in objects:
+                v, n = self._view(o)
+                views.append(v)
+                sizes.append(n)
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"{self._type_name} L2 adapter is closed")
+            try:
+                if op == "store":
+                    fid = self._client.submit_batch_set(names, views)
+                elif op == "load":
+                    fid = self._client.submit_batch_get(names, views)
+                elif op == "lookup":
+                    fid = self._client.submit_batch_exists(names)
+                else:
+                    fid = self._client.submit_batch_delete(names)
+            except Exception as exc:  # IMPROVE: a raising submit is a failed completion
+                logger.warning("%s submit_batch (%s) raised: %s", self._type_name, op, exc)
+                fid = None
+            if fid is not None:
+                self._pending[int(fid)] = _Pending(op, task_id, len(keys), list(keys), sizes, views,
+                                                    waiter)
+        if fid is None:
+            self._route(_Pending(op, task_id, len(keys), list(keys), sizes, views, waiter),
+                        False, None)
+        return task_id
+
+    def _complete_locally(self, op: str, task_id: int, waiter: threading.Event | None) -> None:
+        self._route(_Pending(op, task_id, 0, [], [], [], waiter), True, [])
+
+    # --- routing -------------------------------------------------------------------------------
+
+    def _route(self, p: _Pending, ok: bool, bools: list[bool] | None) -> None:
+        if p.op == "store":
+            new_keys, new_sizes, old_keys = [], [], []
+            if ok:
+                with self._lock:
+                    for k, s in zip(p.keys, p.sizes):
+                        if k in self._known:
+                            old_keys.append(k)
+                        else:
+                            self._known[k] = s
+                            new_keys.append(k)
+                            new_sizes.append(s)
+                if new_keys:
+                    self._notify_keys_stored(new_keys, new_sizes)
+                if old_keys:
+                    self._notify_keys_stored(old_keys, [0] * len(old_keys))
+            self._store_done.put(p.task_id, L2StoreResult(ok, sum(new_sizes) if ok else 0))
+            self._store_n.notify()
+        elif p.op == "lookup":
+            bm = self._bitmap(p.n, ok, bools, default_all=False)
+            found = bm.gather(p.keys)
+            self._locks.lock(found)
+            self._lookup_done.put(p.task_id, bm)
+            self._lookup_n.notify()
+        elif p.op == "load":
+            bm = self._bitmap(p.n, ok, bools, default_all=True)
+            loaded = bm.gather(p.keys)
+            if loaded:
+                self._notify_keys_accessed(loaded)
+            self._load_done.put(p.task_id, bm)
+            self._load_n.notify()
+        else:  # delete
+            bm = self._bitmap(p.n, ok, bools, default_all=True)
+            removed, sizes = [], []
+            with self._lock:
+                for k in bm.gather(p.keys):
+                    if k in self._known:
+                        sizes.append(self._known.pop(k))
+                        removed.append(k)
+            if removed:
+                self._notify_keys_deleted(removed, sizes)
+            if p.waiter is not None:
+                p.waiter.set()
+
+    @staticmethod
+    def _bitmap(n: int, ok: bool, bools: list[bool] | None, default_all: bool) -> Bitmap:
+        bm = Bitmap(n)
+        if bools is not None and len(bools) == n:
+            if ok or bools:
+                bm.batched_set(i for i, b in enumerate(bools) if b)
+        elif ok and default_all:
+            bm.set_range(0, n)
+        return bm
+
+    def _demux_loop(self) -> None:
+        poller = select.poll()
+        try:
+            fd = int(self._client.event_fd())
+            poller.register(fd, select.POLLIN)
+        except Exception:
+            logger.exception("%s: cannot poll the native event fd", self._type_name)
+            self._healthy = False
+            return
+        while not self._stop.is_set():
+            try:
+                if not poller.poll(POLL_MS):
+                    continue
+                if self._stop.is_set():
+                    return
+                completions = self._client.drain_completions()
+                for fid, ok, error, bools in completions:
+                    with self._lock:
+                        p = self._pending.pop(int(fid), None)
+                    if p is None:
+                        logger.warning("%s: completion for unknown future id %s", self._type_name, fid)
+                        continue
+                    if not ok and error:
+                        logger.debug("%s %s future %s failed: %s", self._type_name, p.op, fid, error)
+                    self._route(p, bool(ok), list(bools) if bools is not None else None)
+                self._demux_errors = 0
+            except Exception:
+                if self._stop.is_set():
+                    return
+                self._demux_errors += 1
+                self._healthy = False
+                logger.exception("%s: demux loop error (continuing)", self._type_name)
+                time.sleep(0.05)
+
+    # --- L2AdapterInterface -----------------------------------------------------------------------
+
+    def submit_store_task(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> L2TaskId:
+        return self._submit("store", list(keys), list(objects))
+
+    def pop_completed_store_tasks(self) -> dict[L2TaskId, L2StoreResult]:
+        return self._store_done.take_all()
+
+    def submit_lookup_and_lock_task(
+        self,
+        keys: list[ObjectKey],
+        group_layout_descs: dict[int, MemoryLayoutDesc] | None = None,
+    ) -> L2TaskId:
+        return self._submit("lookup", list(keys), None)
+
+    def query_lookup_and_lock_result(self, task_id: L2TaskId) -> Bitmap | None:
+        return self._lookup_done.take(task_id)
+
+    def submit_unlock(self, keys: list[ObjectKey]) -> None:
+        self._locks.unlock(list(keys))
+
+    def submit_load_task(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> L2TaskId:
+        return self._submit("load", list(keys), list(objects))
+
+    def query_load_result(self, task_id: L2TaskId) -> Bitmap | None:
+        return self._load_done.take(task_id)
+
+    def delete(self, keys: list[ObjectKey]) -> None:
+        if not self._has_delete or self._closed:
+            return
+        targets = [k for k in keys if not self._locks.is_locked(k)]
+        if not targets:
+            return
+        waiter = threading.Event()
+        task_id = self._submit("delete", targets, None, waiter)
+        if not waiter.wait(DELETE_TIMEOUT_S):
+            with self._lock:
+                for fid, p in list(self._pending.items()):
+                    if p.task_id == task_id and p.op == "delete":
+                        del self._pending[fid]
+            logger.warning("delete() timed out after 30s for %d keys", len(targets))
+
+    def lock_count(self, key: ObjectKey) -> int:
+        return self._locks.count(key)
+
+    def report_status(self) -> dict[str, Any]:
+        extra = self._extra_status() if callable(self._extra_status) else (self._extra_status or {})
+        with self._lock:
+            inflight = len(self._pending)
+        return {
+            "is_healthy": self._thread.is_alive() and self._healthy and not self._closed,
+            "type_name": self._type_name,
+            "in_flight": inflight,
+            "demux_errors": self._demux_errors,
+            "has_delete": self._has_delete,
+            "padding": self._pad,
+            "extra_status": extra,
+        }
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            waiters = [p.waiter for p in self._pending.values() if p.waiter is not None]
+        self._stop.set()
+        self._thread.join(timeout=POLL_MS / 1000.0 + 2)
+        try:
+            self._client.close()
+        except Exception:
+            logger.exception("%s: close() of the native client failed", self._type_name)
+        for w in waiters:
+            w.set()
+        with self._lock:
+            self._pending.clear()
+        for n in (self._store_n, self._lookup_n, self._load_n):
+            n.close()

@@ -1,0 +1,123 @@
+"""Store and prefetch policies (spec §4.3, §4.4) and their registries.
+
+Store: ``select_store_targets(keys, adapter_descriptors) -> {adapter_index: keys}`` and
+``select_l1_deletions(keys) -> keys`` (run after a successful store). Prefetch:
+``choose_owner`` picks, for one cell, the L1 or adapter that serves it, and
+``plan_l1_retention()`` says whether loaded keys stay resident.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lmcache.v1.distributed.api import ObjectKey
+
+__all__ = [
+    "AdapterDescriptor",
+    "DefaultPrefetchPolicy",
+    "DefaultStorePolicy",
+    "PrefetchPolicy",
+    "RetainPrefetchPolicy",
+    "SkipL1StorePolicy",
+    "StorePolicy",
+    "get_registered_prefetch_policies",
+    "get_registered_store_policies",
+    "register_prefetch_policy",
+    "register_store_policy",
+]
+
+
+@dataclass(frozen=True)
+class AdapterDescriptor:
+    index: int
+    type_name: str
+    affinity_tag: str = "_default"
+    draining: bool = False
+
+
+class StorePolicy:
+    def select_store_targets(
+        self, keys: list[ObjectKey], adapter_descriptors: list[AdapterDescriptor]
+    ) -> dict[int, list[ObjectKey]]:
+        return {d.index: list(keys) for d in adapter_descriptors if not d.draining}
+
+    def select_l1_deletions(self, keys: list[ObjectKey]) -> list[ObjectKey]:
+        return []
+
+
+class DefaultStorePolicy(StorePolicy):
+    """Every key to every non-draining adapter; L1 keeps its copy."""
+
+
+class SkipL1StorePolicy(StorePolicy):
+    """Same targets; the L1 copy is deleted once stored (buffer-only L1)."""
+
+    def select_l1_deletions(self, keys: list[ObjectKey]) -> list[ObjectKey]:
+        return list(keys)
+
+
+class PrefetchPolicy:
+    def choose_owner(self, l1_holders: list[int], l2_holders: list[int]) -> tuple[str, int] | None:
+        """Lowest-index L1 that holds the cell, else the lowest-index adapter."""
+        if l1_holders:
+            return ("l1", min(l1_holders))
+        if l2_holders:
+            return ("l2", min(l2_holders))
+        return None
+
+    def plan_l1_retention(self) -> bool:
+        return False
+
+
+class DefaultPrefetchPolicy(PrefetchPolicy):
+    """Loaded keys are temporary: freed at their last read."""
+
+
+class RetainPrefetchPolicy(PrefetchPolicy):
+    """Loaded keys stay resident in L1."""
+
+    def plan_l1_retention(self) -> bool:
+        return True
+
+
+_STORE: dict[str, type[StorePolicy]] = {"default": DefaultStorePolicy, "skip_l1": SkipL1StorePolicy}
+_PREFETCH: dict[str, type[PrefetchPolicy]] = {
+    "default": DefaultPrefetchPolicy,
+    "retain": RetainPrefetchPolicy,
+}
+
+
+def register_store_policy(name: str, cls: type[StorePolicy]) -> None:
+    if name in _STORE:
+        raise ValueError(f"store policy already registered: {name!r}")
+    _STORE[name] = cls
+
+
+def get_registered_store_policies() -> list[str]:
+    return sorted(_STORE)
+
+
+def create_store_policy(name: str) -> StorePolicy:
+    try:
+        return _STORE[name]()
+    except KeyError:
+        raise ValueError(f"unknown store policy {name!r}. Known: {', '.join(sorted(_STORE))}") from None
+
+
+def register_prefetch_policy(name: str, cls: type[PrefetchPolicy]) -> None:
+    if name in _PREFETCH:
+        raise ValueError(f"prefetch policy already registered: {name!r}")
+    _PREFETCH[name] = cls
+
+
+def get_registered_prefetch_policies() -> list[str]:
+    return sorted(_PREFETCH)
+
+
+def create_prefetch_policy(name: str) -> PrefetchPolicy:
+    try:
+        return _PREFETCH[name]()
+    except KeyError:
+        raise ValueError(
+            f"unknown prefetch policy {name!r}. Known: {', '.join(sorted(_PREFETCH))}"
+        ) from None

@@ -1,0 +1,325 @@
+"""Store controller: L1 -> L2 write-behind (spec §4.3).
+
+A listener on ``on_l1_keys_write_finished`` (called inside the L1 lock) only queues keys and
+signals. The loop thread polls {listener fd, control fd, each adapter's store fd}, routes
+pending keys through the store policy, pins them in L1 (a read lock plus the transfer pin of
+§2.5) and submits one task per (adapter, key group). At most ``max_in_flight_per_adapter``
+tasks run per adapter; extra keys wait unpinned. On completion pins are released and, on
+success, ``select_l1_deletions`` keys are deleted from L1 once no other adapter still stores them.
+"""
+
+from __future__ import annotations
+
+import select
+import threading
+import time
+from collections import defaultdict, deque
+from dataclasses import dataclass
+from typing import Any
+
+from lmcache.utils import init_logger
+from lmcache.v1.distributed.adapter_registry import AdapterRegistry, AdapterSlot
+from lmcache.v1.distributed.api import ObjectKey
+from lmcache.v1.distributed.internal_api import L1Error, L1ManagerListener, L2StoreResult
+from lmcache.v1.distributed.storage_policies import StorePolicy
+from lmcache.v1.memory_management import MemoryObj
+from lmcache.v1.platform.event_notifier import create_event_notifier
+
+logger = init_logger(__name__)
+
+__all__ = ["StoreController"]
+
+MAX_IN_FLIGHT_PER_ADAPTER = 32
+MAX_KEYS_PER_TASK = 256
+POLL_MS = 500
+
+
+@dataclass
+class _Task:
+    adapter_index: int
+    task_id: int
+    keys: list[ObjectKey]
+    objs: list[MemoryObj]
+    submit_time: float
+
+
+class StoreController(L1ManagerListener):
+    def __init__(
+        self,
+        l1: Any,
+        registry: AdapterRegistry,
+        policy: StorePolicy,
+        l1_index: int = 0,
+        max_in_flight_per_adapter: int = MAX_IN_FLIGHT_PER_ADAPTER,
+    ) -> None:
+        self.l1 = l1
+        self.l1_index = l1_index
+        self.registry = registry
+        self.policy = policy
+        self.max_in_flight = max_in_flight_per_adapter
+        self._mu = threading.Lock()
+        self._incoming: deque[ObjectKey] = deque()
+        self._per_adapter: dict[int, deque[ObjectKey]] = defaultdict(deque)
+        self._inflight: dict[tuple[int, int], _Task] = {}
+        self._key_refs: dict[ObjectKey, int] = defaultdict(int)
+        self._delete_after: set[ObjectKey] = set()
+        self._legacy_warned: set[int] = set()
+        self._wake = create_event_notifier()
+        self._control = create_event_notifier()
+        self._stop = threading.Event()
+        self.stats = {"submitted_tasks": 0, "submitted_keys": 0, "completed_tasks": 0,
+                      "failed_tasks": 0, "stored_bytes": 0, "skipped_keys": 0}
+        l1.register_listener(self)
+        self._thread = threading.Thread(target=self._loop, name=f"store-controller-{l1_index}",
+                                        daemon=True)
+        self._thread.start()
+
+    # --- listener (inside the L1 lock: record and signal only) --------------------------------------
+
+    def on_l1_keys_write_finished(self, keys: list[ObjectKey]) -> None:
+        if not keys:
+            return
+        with self._mu:
+            self._incoming.extend(keys)
+        self._wake.notify()
+
+    # --- control -------------------------------------------------------------------------------------
+
+    def kick(self) -> None:
+        """Wake the loop (adapter set changed, shutdown)."""
+        self._control.notify()
+
+    def inflight_for(self, adapter_index: int) -> int:
+        with self._mu:
+            return sum(1 for (i, _t) in self._inflight if i == adapter_index)
+
+    def pending_count(self) -> int:
+        with self._mu:
+            return len(self._incoming) + sum(len(q) for q in self._per_adapter.values())
+
+    def idle(self) -> bool:
+        with self._mu:
+            return not self._inflight and not self._incoming and not any(self._per_adapter.values())
+
+    # --- loop -----------------------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        poller = select.poll()
+        registered: dict[int, int] = {}  # fd -> adapter index (-1 for ours)
+        version = -1
+        for fd in (self._wake.fileno(), self._control.fileno()):
+            poller.register(fd, select.POLLIN)
+        while not self._stop.is_set():
+            try:
+                if version != self.registry.version:
+                    version = self.registry.version
+                    for fd in list(registered):
+                        poller.unregister(fd)
+                    registered.clear()
+                    for slot in self.registry.slots():
+                        registered[slot.fds[0]] = slot.index
+                        poller.register(slot.fds[0], select.POLLIN)
+                events = poller.poll(POLL_MS)
+                signalled: set[int] = set()
+                for fd, _ev in events:
+                    if fd == self._wake.fileno():
+                        self._wake.consume()
+                    elif fd == self._control.fileno():
+                        self._control.consume()
+                    elif fd in registered:
+                        idx = registered[fd]
+                        slot = self.registry.get(idx)
+                        if slot is not None:
+                            _consume(fd)
+                        signalled.add(idx)
+                if self._stop.is_set():
+                    break
+                if not events:
+                    signalled = {i for (i, _t) in list(self._inflight)}
+                self._collect(signalled)
+                self._route_incoming()
+                self._dispatch()
+            except Exception:
+                logger.exception("store controller loop error (continuing)")
+                time.sleep(0.05)
+
+    def _collect(self, adapter_indexes: set[int]) -> None:
+        for idx in adapter_indexes:
+            slot = self.registry.get(idx)
+            if slot is None:
+                continue
+            try:
+                done = slot.adapter.pop_completed_store_tasks() or {}
+            except Exception:
+                logger.exception("L2 adapter #%d pop_completed_store_tasks raised", idx)
+                continue
+            for task_id, raw in done.items():
+                with self._mu:
+                    task = self._inflight.pop((idx, task_id), None)
+                if task is None:
+                    logger.warning("L2 adapter #%d completed unknown store task %s", idx, task_id)
+                    continue
+                result, legacy = L2StoreResult.normalise(raw, task.objs)
+                if legacy and idx not in self._legacy_warned:
+                    self._legacy_warned.add(idx)
+                    logger.warning(
+                        "L2 adapter #%d (%s) returned %r from a store instead of L2StoreResult; "
+                        "normalised (update the plugin)", idx, slot.type_name, raw,
+                    )
+                self._finish_task(task, result, slot)
+
+    def _finish_task(self, task: _Task, result: L2StoreResult, slot: AdapterSlot | None) -> None:
+        self._release(task.keys, task.objs)
+        name = slot.type_name if slot else "?"
+        if result.is_successful():
+            self.stats["completed_tasks"] += 1
+            self.stats["stored_bytes"] += result.bytes_transferred()
+            logger.debug("L2 store task %d on adapter #%d (%s) done: %d keys, %d bytes",
+                         task.task_id, task.adapter_index, name, len(task.keys),
+                         result.bytes_transferred())
+            deletions = self.policy.select_l1_deletions(task.keys)
+            with self._mu:
+                self._delete_after.update(deletions)
+        else:
+            self.stats["failed_tasks"] += 1
+            logger.warning("L2 store task %d on adapter #%d (%s) failed for %d keys (not retried)",
+                           task.task_id, task.adapter_index, name, len(task.keys))
+        self._run_deferred_deletions(task.keys)
+
+    def _run_deferred_deletions(self, keys: list[ObjectKey]) -> None:
+        ready = []
+        with self._mu:
+            for k in keys:
+                if k in self._delete_after and self._key_refs.get(k, 0) == 0 and not self._queued(k):
+                    self._delete_after.discard(k)
+                    ready.append(k)
+        if ready:
+            self.l1.delete(ready)
+
+    def _queued(self, key: ObjectKey) -> bool:
+        return any(key in q for q in self._per_adapter.values())
+
+    def _release(self, keys: list[ObjectKey], objs: list[MemoryObj]) -> None:
+        self.l1.finish_read(keys)
+        self.l1.unpin_objects(objs)
+        with self._mu:
+            for k in keys:
+                left = self._key_refs.get(k, 0) - 1
+                if left > 0:
+                    self._key_refs[k] = left
+                else:
+                    self._key_refs.pop(k, None)
+
+    def _route_incoming(self) -> None:
+        with self._mu:
+            if not self._incoming:
+                return
+            keys = list(self._incoming)
+            self._incoming.clear()
+        descriptors = [s.descriptor() for s in self.registry.slots(include_draining=False)]
+        if not descriptors:
+            return
+        groups: dict[tuple[str, int], list[ObjectKey]] = defaultdict(list)
+        for k in keys:
+            groups[(k.model_name, k.kv_rank)].append(k)
+        live = {d.index for d in descriptors}
+        for gkeys in groups.values():
+            targets = self.policy.select_store_targets(gkeys, descriptors)
+            with self._mu:
+                for idx, tkeys in targets.items():
+                    if idx in live and tkeys:
+                        self._per_adapter[idx].extend(tkeys)
+
+    def _dispatch(self) -> None:
+        for slot in self.registry.slots(include_draining=False):
+            while True:
+                with self._mu:
+                    q = self._per_adapter.get(slot.index)
+                    if not q:
+                        break
+                    running = sum(1 for (i, _t) in self._inflight if i == slot.index)
+                    if running >= self.max_in_flight:
+                        break
+                    batch = [q.popleft() for _ in range(min(len(q), MAX_KEYS_PER_TASK))]
+                self._submit(slot, batch)
+        # keys queued for adapters that went away are dropped
+        live = {s.index for s in self.registry.slots(include_draining=False)}
+        with self._mu:
+            for idx in [i for i in self._per_adapter if i not in live]:
+                del self._per_adapter[idx]
+
+    def _submit(self, slot: AdapterSlot, batch: list[ObjectKey]) -> None:
+        # group by (model, kv_rank) again: a batch may span groups queued at different times
+        groups: dict[tuple[str, int], list[ObjectKey]] = defaultdict(list)
+        for k in dict.fromkeys(batch):
+            groups[(k.model_name, k.kv_rank)].append(k)
+        for keys in groups.values():
+            locked = self.l1.reserve_read(keys)
+            ok_keys = [k for k in keys if locked[k][0] is L1Error.SUCCESS]
+            objs = [locked[k][1] for k in ok_keys]
+            skipped = len(keys) - len(ok_keys)
+            if skipped:
+                self.stats["skipped_keys"] += skipped
+            if not ok_keys:
+                continue
+            self.l1.pin_objects(objs)
+            with self._mu:
+                for k in ok_keys:
+                    self._key_refs[k] += 1
+            try:
+                task_id = slot.adapter.submit_store_task(ok_keys, objs)
+            except Exception:
+                logger.exception("L2 adapter #%d (%s) submit_store_task raised; %d keys not stored",
+                                 slot.index, slot.type_name, len(ok_keys))
+                self.stats["failed_tasks"] += 1
+                self._release(ok_keys, objs)
+                continue
+            with self._mu:
+                self._inflight[(slot.index, task_id)] = _Task(slot.index, task_id, ok_keys, objs,
+                                                              time.monotonic())
+            self.stats["submitted_tasks"] += 1
+            self.stats["submitted_keys"] += len(ok_keys)
+            logger.debug("L2 store task %s submitted to adapter #%d (%s): %d keys",
+                         task_id, slot.index, slot.type_name, len(ok_keys))
+
+    def forget_adapter(self, adapter_index: int) -> None:
+        """Release pins of tasks still attributed to a removed adapter."""
+        with self._mu:
+            tasks = [t for (i, _), t in self._inflight.items() if i == adapter_index]
+            for t in tasks:
+                del self._inflight[(t.adapter_index, t.task_id)]
+            self._per_adapter.pop(adapter_index, None)
+        for t in tasks:
+            self._release(t.keys, t.objs)
+
+    def report_status(self) -> dict[str, Any]:
+        with self._mu:
+            inflight = len(self._inflight)
+        return {
+            "l1_index": self.l1_index,
+            "in_flight_tasks": inflight,
+            "pending_keys": self.pending_count(),
+            "max_in_flight_per_adapter": self.max_in_flight,
+            **self.stats,
+            "is_healthy": self._thread.is_alive() or self._stop.is_set(),
+        }
+
+    def close(self) -> None:
+        self._stop.set()
+        self._control.notify()
+        self._thread.join(timeout=POLL_MS / 1000.0 + 2)
+        with self._mu:
+            tasks = list(self._inflight.values())
+            self._inflight.clear()
+            self._incoming.clear()
+            self._per_adapter.clear()
+        for t in tasks:
+            self._release(t.keys, t.objs)
+        self._wake.close()
+        self._control.close()
+
+
+def _consume(fd: int) -> None:
+    from lmcache.v1.platform.event_notifier import consume_fd
+
+    consume_fd(fd)

@@ -1,0 +1,43 @@
+"""Settings of the MP server (the non-storage part of the ``lmcache server`` flags)."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+
+
+@dataclass
+class MPServerConfig:
+    host: str = "localhost"
+    port: int = 5555
+    chunk_size: int = 256
+    hash_algorithm: str = "blake3"
+    null_block_id: int = 0
+    max_gpu_workers: int = 4
+    max_cpu_workers: int = 4
+    supported_transfer_mode: str = "auto"  # lmcache_driven | engine_driven | auto
+    shm_name: str = ""
+    worker_reap_timeout_seconds: float = 120.0
+    worker_registration_grace_seconds: float = 3600.0
+    session_ttl_seconds: float = 600.0
+    l1_write_ttl_seconds: float = 600.0
+    separate_object_groups: bool = False
+    instance_id: str = field(default_factory=lambda: str(uuid.uuid4()))
+    disable_metrics: bool = False
+
+    @property
+    def lmcache_driven_enabled(self) -> bool:
+        return self.supported_transfer_mode in ("auto", "lmcache_driven")
+
+    @property
+    def engine_driven_enabled(self) -> bool:
+        return self.supported_transfer_mode in ("auto", "engine_driven")
+
+    @property
+    def transfer_modes(self) -> list[str]:
+        modes = []
+        if self.lmcache_driven_enabled:
+            modes.append("lmcache_driven")
+        if self.engine_driven_enabled:
+            modes.append("engine_driven")
+        return modes

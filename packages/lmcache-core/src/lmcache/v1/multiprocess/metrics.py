@@ -1,0 +1,119 @@
+"""Prometheus metrics of the MP server (spec/protocol.md 12), names as in LMCache 0.5.6.
+
+One ``ServerMetrics`` per server owns its own ``CollectorRegistry`` (so tests can run
+several servers in one process); ``reset()`` rebuilds it for ``POST /metrics/reset``.
+prometheus_client appends ``_total`` to counter names.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "lmcache_mp_lookup_requested_tokens": ("tokens asked for by lookups", ()),
+    "lmcache_mp_lookup_hit_tokens": ("tokens found by lookups", ()),
+    "lmcache_mp_lookup_hit_l1_tokens": ("lookup hit tokens served from L1", ()),
+    "lmcache_mp_lookup_hit_l2_tokens": ("lookup hit tokens loaded from L2", ()),
+    "lmcache_mp_lookup_hit_l1_keys": ("lookup hit keys in L1", ()),
+    "lmcache_mp_lookup_hit_l2_keys": ("lookup hit keys in L2", ()),
+    "lmcache_mp_lookups_requests": ("lookup requests", ()),
+    "lmcache_mp_lookup_early_exit_requests": ("lookups answered without a prefetch", ("reason",)),
+    "lmcache_mp_num_submitted_stores": ("store requests submitted", ()),
+    "lmcache_mp_num_finished_stores": ("store requests finished", ()),
+    "lmcache_mp_num_submitted_retrieves": ("retrieve requests submitted", ()),
+    "lmcache_mp_num_finished_retrieves": ("retrieve requests finished", ()),
+    "lmcache_mp_num_chunks_loaded": ("chunks handed to engines", ()),
+    "lmcache_mp_l1_read_chunks": ("chunks read from L1", ()),
+    "lmcache_mp_l1_write_chunks": ("chunks written to L1", ()),
+    "lmcache_mp_l1_evicted_chunks": ("chunks evicted from L1", ()),
+    "lmcache_mp_l1_read_failure_chunks": ("chunks that could not be read", ()),
+    "lmcache_mp_l1_allocation_failure_chunks": ("chunks L1 could not allocate", ()),
+    "lmcache_mp_l1_eviction_loop_ticks": ("L1 eviction loop ticks", ()),
+    "lmcache_mp_l1_eviction_loop_triggered": ("L1 eviction loop triggers", ()),
+    "lmcache_mp_event_bus_dropped_events": ("dropped events (no event bus: 0)", ()),
+    "lmcache_mp_timeouts": ("timed out waits", ()),
+    "lmcache_mp_request_errors": ("failed requests", ("op", "code")),
+    "lmcache_mp_rejected_payloads": ("rejected commit payloads", ("reason",)),
+    "lmcache_mp_reaped_instances": ("instances removed by the reaper", ("mode",)),
+    "lmcache_mp_report_block_allocation": ("report_block_allocation calls", ()),
+}
+
+_GAUGES: dict[str, str] = {
+    "lmcache_mp_active_prefetch_jobs": "prefetch jobs in flight",
+    "lmcache_mp_active_p2p_lookup_jobs": "p2p lookups in flight (p2p is not built: 0)",
+    "lmcache_mp_l1_memory_usage_bytes": "L1 bytes in use",
+    "lmcache_mp_l1_usage_ratio": "L1 used / total",
+    "lmcache_mp_l1_staging_bytes": "L1 bytes in write reservations",
+    "lmcache_mp_event_bus_queue_depth": "event bus depth (no event bus: 0)",
+    "lmcache_mp_event_bus_drain_lag_seconds": "event bus lag (no event bus: 0)",
+    "lmcache_mp_kv_events_log_depth": "KV event log depth (not built: 0)",
+    "lmcache_mp_shm_enabled": "1 when the engine-driven SHM pool is in use",
+}
+
+_HISTOGRAMS: dict[str, str] = {
+    "lmcache_mp_l0_l1_store_throughput": "engine->L1 store throughput (GB/s)",
+    "lmcache_mp_l0_l1_load_throughput": "L1->engine load throughput (GB/s)",
+    "lmcache_mp_transfer_phase_seconds": "time per transfer phase",
+}
+
+
+class ServerMetrics:
+    def __init__(self, instance_id: str, enabled: bool = True) -> None:
+        self.instance_id = instance_id
+        self.enabled = enabled
+        self._lock = threading.Lock()
+        self._gauge_sources: list[Callable[[ServerMetrics], None]] = []
+        self._build()
+
+    def _build(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.set_target_info({"service_instance_id": self.instance_id})
+        self.counters = {
+            n: Counter(n, doc, labelnames=labels, registry=self.registry)
+            for n, (doc, labels) in _COUNTERS.items()
+        }
+        self.gauges = {n: Gauge(n, doc, registry=self.registry) for n, doc in _GAUGES.items()}
+        self.histograms = {
+            n: Histogram(n, doc, registry=self.registry) for n, doc in _HISTOGRAMS.items()
+        }
+
+    def add_gauge_source(self, fn: Callable[[ServerMetrics], None]) -> None:
+        """``fn(metrics)`` refreshes gauges right before each scrape."""
+        self._gauge_sources.append(fn)
+
+    def inc(self, name: str, amount: float = 1.0, **labels: str) -> None:
+        if not self.enabled or amount == 0:
+            return
+        c = self.counters[name]
+        (c.labels(**labels) if labels else c).inc(amount)
+
+    def set(self, name: str, value: float) -> None:
+        if self.enabled:
+            self.gauges[name].set(value)
+
+    def observe(self, name: str, value: float) -> None:
+        if self.enabled:
+            self.histograms[name].observe(value)
+
+    def value(self, name: str, **labels: str) -> float:
+        """Current counter value (tests and /status)."""
+        c = self.counters[name]
+        if labels:
+            return c.labels(**labels)._value.get()
+        return c._value.get()
+
+    def render(self) -> bytes:
+        for fn in self._gauge_sources:
+            try:
+                fn(self)
+            except Exception:
+                pass
+        with self._lock:
+            return generate_latest(self.registry)
+
+    def reset(self) -> None:
+        with self._lock:
+            self._build()

@@ -1,0 +1,266 @@
+"""The RPC front door of ``lmcache server``: one ROUTER socket, one loop thread, pools.
+
+spec/protocol.md 1.2 and 2:
+
+* The loop thread (``mq-server-thread``) is the only thread touching the ROUTER. It
+  polls the socket and a wake-up notifier, decodes and dispatches every request and
+  sends every reply (pool threads queue replies and signal the notifier).
+* SYNC ops run inline; AFFINITY ops run FIFO on the slot of their peer identity
+  (``--max-gpu-workers`` slots, assigned round-robin on first sight); NORMAL ops run on
+  the ``--max-cpu-workers`` pool. ``wait_prefetch_status`` parks without a thread.
+* Errors: old peers get 0.5.6's silence; peers that negotiated ``error_replies`` get
+  ``ext(2, {code, message, retryable})``. Nothing a peer sends stops the loop.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import msgspec
+import zmq
+
+from lmcache.utils import init_logger
+from lmcache.v1.multiprocess import protocol as P
+from lmcache.v1.multiprocess.engine import CacheEngine, RequestContext
+from lmcache.v1.multiprocess.protocol import ErrorCode, HandlerKind, RequestError
+from lmcache.v1.platform.event_notifier import create_event_notifier
+
+logger = init_logger(__name__)
+
+
+class MPCacheServer:
+    def __init__(self, engine: CacheEngine) -> None:
+        self.engine = engine
+        self.config = engine.config
+        self.metrics = engine.metrics
+        self._ctx = zmq.Context.instance()
+        self._sock: zmq.Socket | None = None
+        self._notifier = create_event_notifier()
+        self._outbox: collections.deque = collections.deque()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._features: dict[bytes, frozenset[str]] = {}
+        self._affinity_slots: dict[bytes, int] = {}
+        self._rr = itertools.count()
+        self._affinity = [
+            ThreadPoolExecutor(1, thread_name_prefix=f"mp-affinity-{i}")
+            for i in range(max(1, self.config.max_gpu_workers))
+        ]
+        self._normal = ThreadPoolExecutor(
+            max(1, self.config.max_cpu_workers), thread_name_prefix="mp-normal"
+        )
+        self._warned_unknown: set[tuple[Any, bytes]] = set()
+        self._warned_sharing = False
+        self.endpoint = ""
+        self.accepting = True
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> str:
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        sock.setsockopt(zmq.LINGER, 0)
+        host = self.config.host
+        bind_host = "127.0.0.1" if host == "localhost" else host
+        addr = f"tcp://{bind_host}:{self.config.port}"
+        try:
+            sock.bind(addr)
+        except zmq.ZMQError as exc:
+            sock.close(linger=0)
+            raise OSError(
+                f"cannot bind the RPC socket to {addr}: {exc}; pick another --port or stop the "
+                "process using it"
+            ) from exc
+        self._sock = sock
+        self.endpoint = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self._thread = threading.Thread(target=self._loop, name="mq-server-thread", daemon=True)
+        self._thread.start()
+        return self.endpoint
+
+    def stop(self) -> None:
+        self.accepting = False
+        self._stop.set()
+        self._notifier.notify()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        for ex in [*self._affinity, self._normal]:
+            ex.shutdown(wait=False, cancel_futures=True)
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+        self._notifier.close()
+
+    # ------------------------------------------------------------------ loop
+    def _loop(self) -> None:
+        assert self._sock is not None
+        sock = self._sock
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(self._notifier.fileno(), zmq.POLLIN)
+        while not self._stop.is_set():
+            try:
+                events = dict(poller.poll(500))
+            except zmq.ZMQError:
+                if self._stop.is_set():
+                    break
+                raise
+            if self._notifier.fileno() in events:
+                self._notifier.consume()
+            self._flush(sock)
+            if sock in events:
+                for _ in range(256):  # bounded batch, then flush replies again
+                    try:
+                        frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    try:
+                        self._dispatch(frames)
+                    except Exception:  # never let one request stop the loop
+                        logger.exception("Error handling operation")
+                self._flush(sock)
+        self._flush(sock)
+
+    def _flush(self, sock: zmq.Socket) -> None:
+        while self._outbox:
+            frames = self._outbox.popleft()
+            try:
+                sock.send_multipart(frames, copy=len(frames[-1]) < 65536)
+            except zmq.ZMQError as exc:
+                if exc.errno == zmq.EHOSTUNREACH:
+                    logger.warning("Response destination disconnected")
+                else:
+                    logger.error("Failed to send a reply: %s", exc)
+
+    def _post(self, frames: list[Any]) -> None:
+        self._outbox.append(frames)
+        self._notifier.notify()
+
+    # ------------------------------------------------------------------ dispatch
+    def _dispatch(self, frames: list[zmq.Frame]) -> None:
+        peer = frames[0].bytes
+        if len(frames) < 3:
+            self._count_error("?", ErrorCode.BAD_REQUEST)
+            logger.error("Bad request from peer %s: %d frames (need uid and op)", peer.hex(), len(frames))
+            return
+        uid_b, op_b = frames[1].bytes, frames[2].bytes
+        features = self._features.get(peer, frozenset())
+
+        def reply(value: Any) -> None:
+            self._reply(peer, uid_b, op_b, value, features)
+
+        try:
+            op_val = P.decode(op_b)
+            P.decode(uid_b)
+        except Exception:
+            self._fail(peer, uid_b, op_b, "?", ErrorCode.BAD_REQUEST, "undecodable uid or op frame", features)
+            return
+        spec = P.lookup_op(op_val)
+        if spec is None or not spec.supported:
+            code = ErrorCode.UNKNOWN_OP if spec is None else ErrorCode.NOT_SUPPORTED
+            if (repr(op_val), peer) not in self._warned_unknown and len(self._warned_unknown) < 10000:
+                self._warned_unknown.add((repr(op_val), peer))
+                logger.error(
+                    "No handler registered: op %r from peer %s is not supported by this server",
+                    op_val,
+                    peer.hex(),
+                )
+            self._count_error(str(op_val), code)
+            if P.FEATURE_ERROR_REPLIES in features:
+                reply(P.RemoteError(code.value, f"op {op_val!r} is not supported by this server", False))
+            return
+        payloads = frames[3:]
+        if not spec.min_params <= len(payloads) <= spec.max_params:
+            self._fail(
+                peer,
+                uid_b,
+                op_b,
+                spec.name,
+                ErrorCode.BAD_REQUEST,
+                f"{spec.name} takes {spec.min_params}..{spec.max_params} payload frames, got {len(payloads)}",
+                features,
+            )
+            return
+        try:
+            args = [P.convert_param(p, P.decode(f.buffer)) for p, f in zip(spec.params, payloads, strict=False)]
+        except (msgspec.ValidationError, msgspec.DecodeError, ValueError, TypeError) as exc:
+            self._fail(peer, uid_b, op_b, spec.name, ErrorCode.BAD_REQUEST, f"bad payload for {spec.name}: {exc}", features)
+            return
+        if not self.accepting:
+            self._fail(peer, uid_b, op_b, spec.name, ErrorCode.SHUTTING_DOWN, "server is stopping", features)
+            return
+        if spec.name == "negotiate_features":
+            enabled = frozenset(f for f in args[0] if f in P.SUPPORTED_FEATURES)
+            self._features[peer] = enabled
+            reply(sorted(enabled))
+            return
+        ctx = RequestContext(peer, features, reply)
+        task = (spec, ctx, args, uid_b, op_b)
+        if spec.kind == HandlerKind.SYNC:
+            self._run(*task)
+        elif spec.kind == HandlerKind.AFFINITY:
+            self._affinity[self._slot(peer)].submit(self._run, *task)
+        else:
+            self._normal.submit(self._run, *task)
+
+    def _slot(self, peer: bytes) -> int:
+        slot = self._affinity_slots.get(peer)
+        if slot is None:
+            slot = next(self._rr) % len(self._affinity)
+            self._affinity_slots[peer] = slot
+            if len(self._affinity_slots) > len(self._affinity) and not self._warned_sharing:
+                self._warned_sharing = True
+                logger.warning(
+                    "%d clients share %d affinity slots; raise --max-gpu-workers to give each worker its own",
+                    len(self._affinity_slots),
+                    len(self._affinity),
+                )
+        return slot
+
+    def _run(self, spec: P.OpSpec, ctx: RequestContext, args: list[Any], uid_b: bytes, op_b: bytes) -> None:
+        try:
+            result = self.engine.handlers[spec.name](ctx, *args)
+        except RequestError as exc:
+            self._fail(ctx.peer, uid_b, op_b, spec.name, exc.code, exc.message, ctx.features)
+            return
+        except Exception as exc:
+            logger.exception("Error in blocking handler for %s", spec.name)
+            self._fail(
+                ctx.peer, uid_b, op_b, spec.name, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}", ctx.features
+            )
+            return
+        if not ctx.deferred:
+            ctx.reply(result)
+
+    def _reply(self, peer: bytes, uid_b: bytes, op_b: bytes, value: Any, features: frozenset[str]) -> None:
+        frames: list[Any] = [peer, uid_b, op_b]
+        if value is not None:
+            try:
+                frames.append(P.encode(value))
+            except Exception as exc:
+                logger.exception("cannot encode the reply to %r", op_b)
+                if P.FEATURE_ERROR_REPLIES not in features:
+                    return
+                frames.append(P.encode(P.RemoteError("INTERNAL", f"unencodable reply: {exc}", True)))
+        self._post(frames)
+
+    def _fail(
+        self,
+        peer: bytes,
+        uid_b: bytes,
+        op_b: bytes,
+        op_name: str,
+        code: ErrorCode,
+        message: str,
+        features: frozenset[str],
+    ) -> None:
+        logger.error("Request failed (op=%s, uid=%r, peer=%s): %s: %s", op_name, uid_b, peer.hex(), code.value, message)
+        self._count_error(op_name, code)
+        if P.FEATURE_ERROR_REPLIES in features:
+            err = P.RemoteError(code.value, message, code in P.RETRYABLE_CODES)
+            self._post([peer, uid_b, op_b, P.encode(err)])
+
+    def _count_error(self, op: str, code: ErrorCode) -> None:
+        self.metrics.inc("lmcache_mp_request_errors", op=op, code=code.value)

@@ -1,0 +1,129 @@
+"""Per-request sessions and lookup jobs (spec/protocol.md 6, 7).
+
+A ``Session`` per request_id holds the token ids and their cached chunk hashes, the
+current lookup job, the lock shares still owed per (chunk, rank) and the in-flight
+retrieve count. Its TTL counts from the last request that named it (IMPROVE).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from lmcache.v1.multiprocess.token_hasher import chunk_hashes, tokens_to_be_bytes
+
+
+class LookupJob:
+    """One prefetch job; completes once with the hit prefix length in chunks."""
+
+    def __init__(self, num_kv_readers: int, first_chunk: int) -> None:
+        self.num_kv_readers = num_kv_readers
+        self.first_chunk = first_chunk
+        self.hit_chunks: int | None = None
+        self.superseded = False  # replaced by a newer lookup: release its locks when done
+        self.consumed = False
+        self._callbacks: list[Callable[[LookupJob], None]] = []
+        self._lock = threading.Lock()
+        self.done = threading.Event()
+        self.handle: Any = None
+        self.rows: list[list[Any]] = []
+        self.deferred_frees: list[tuple[int, int]] = []  # (first, last) chunk ranges
+
+    def complete(self, hit_chunks: int) -> None:
+        with self._lock:
+            if self.done.is_set():
+                return
+            self.hit_chunks = hit_chunks
+            self.done.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for cb in callbacks:
+            cb(self)
+
+    def on_done(self, cb: Callable[[LookupJob], None]) -> None:
+        with self._lock:
+            if not self.done.is_set():
+                self._callbacks.append(cb)
+                return
+        cb(self)
+
+
+@dataclass
+class Session:
+    request_id: str
+    last_used: float = field(default_factory=time.monotonic)
+    token_bytes: bytes = b""
+    hashes: list[bytes] = field(default_factory=list)
+    job: LookupJob | None = None
+    # Lock shares still owed: (chunk index, rank) -> shares; keys to release them with.
+    shares: dict[tuple[int, int], int] = field(default_factory=dict)
+    share_keys: dict[tuple[int, int], Any] = field(default_factory=dict)
+    key_info: tuple[str, int, str] | None = None  # (model_name, world_size, cache_salt)
+    inflight_retrieves: int = 0
+    ended: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def hashes_for(self, token_ids: list[int], chunk_size: int) -> list[bytes]:
+        """Chunk hashes of ``token_ids``, reusing cached ones only while their tokens match."""
+        raw = tokens_to_be_bytes(np.asarray(token_ids, dtype=np.int64))
+        n_full = (len(raw) // 4) // chunk_size
+        step = chunk_size * 4
+        keep = 0
+        old = self.token_bytes
+        limit = min(len(self.hashes), n_full)
+        while keep < limit and old[keep * step : (keep + 1) * step] == raw[keep * step : (keep + 1) * step]:
+            keep += 1
+        hashes = chunk_hashes(None, chunk_size, prefix=self.hashes[:keep], token_bytes=raw)
+        if len(raw) >= len(old) or keep < len(self.hashes):
+            self.token_bytes = raw
+            self.hashes = hashes
+        return hashes
+
+
+class SessionTable:
+    def __init__(self, ttl_seconds: float) -> None:
+        self.ttl = ttl_seconds
+        self._sessions: dict[str, Session] = {}
+        self._lock = threading.Lock()
+
+    def touch(self, request_id: str) -> Session:
+        """Get or create the session and refresh its TTL."""
+        now = time.monotonic()
+        with self._lock:
+            s = self._sessions.get(request_id)
+            if s is None or s.ended:
+                s = Session(request_id)
+                self._sessions[request_id] = s
+            s.last_used = now
+            return s
+
+    def get(self, request_id: str, *, refresh: bool = True) -> Session | None:
+        with self._lock:
+            s = self._sessions.get(request_id)
+            if s is not None and refresh:
+                s.last_used = time.monotonic()
+            return s
+
+    def pop(self, request_id: str) -> Session | None:
+        with self._lock:
+            return self._sessions.pop(request_id, None)
+
+    def expired(self) -> list[Session]:
+        cutoff = time.monotonic() - self.ttl
+        with self._lock:
+            gone = [s for s in self._sessions.values() if s.last_used < cutoff]
+            for s in gone:
+                del self._sessions[s.request_id]
+        return gone
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._sessions)
+
+    def all(self) -> list[Session]:
+        with self._lock:
+            return list(self._sessions.values())

@@ -1,0 +1,169 @@
+"""The server's narrow view of the storage layer (``lmcache.v1.distributed``).
+
+The MP handlers need a handful of calls with per-key outcomes; this module maps them
+onto ``StorageManager`` (prefetch/lookups with L2) and its L1 manager (reservations,
+locked reads, deletes) so the handlers never depend on storage internals.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from lmcache.utils import init_logger
+
+logger = init_logger(__name__)
+
+_WRITER_TAG = "storage_manager"
+
+
+@dataclass
+class ReserveOutcome:
+    objs: dict[Any, Any]  # key -> MemoryObj (new reservations of this writer)
+    already: list[Any]  # resident, or being written by another writer: counts as done
+    failed: list[Any]  # could not be allocated (L1 full)
+
+
+@dataclass
+class LookupOutcome:
+    hit_chunks: int  # contiguous prefix every row holds
+    l1_keys: int
+    l2_keys: int
+
+
+class StorageBridge:
+    def __init__(self, storage_manager: Any) -> None:
+        from lmcache.v1.distributed.api import (
+            GroupedObjectKeys,
+            PrefetchTaskSpec,
+        )
+        from lmcache.v1.distributed.internal_api import L1Error
+
+        self.sm = storage_manager
+        self.l1 = _first_l1_manager(storage_manager)
+        self._L1Error = L1Error
+        self._Grouped = GroupedObjectKeys
+        self._Spec = PrefetchTaskSpec
+        self._clear_lock = threading.Lock()
+
+    # -- writes -------------------------------------------------------------
+    def reserve_write(self, keys: list[Any], layout: Any) -> ReserveOutcome:
+        if not keys:
+            return ReserveOutcome({}, [], [])
+        res = self.l1.reserve_write(keys, [False] * len(keys), layout, _WRITER_TAG)
+        objs, already, failed = {}, [], []
+        for k in keys:
+            err, obj = res.get(k, (self._L1Error.OUT_OF_MEMORY, None))
+            if err == self._L1Error.SUCCESS and obj is not None:
+                objs[k] = obj
+            elif err == self._L1Error.OUT_OF_MEMORY:
+                failed.append(k)
+            else:
+                already.append(k)
+        return ReserveOutcome(objs, already, failed)
+
+    def finish_write(self, keys: list[Any]) -> list[Any]:
+        """Admit reservations; returns the keys that could not be admitted (expired)."""
+        if not keys:
+            return []
+        res = self.l1.finish_write(keys, _WRITER_TAG)
+        return [k for k in keys if res.get(k) != self._L1Error.SUCCESS]
+
+    def abort_write(self, keys: list[Any]) -> None:
+        """Discard reservations: the staging objects are freed and never become visible."""
+        if keys:
+            self.l1.finish_write_and_delete(keys, _WRITER_TAG)
+
+    # -- lookups and reads ---------------------------------------------------------
+    def submit_lookup(
+        self, rows: list[list[Any]], layout: Any, num_kv_readers: int, request_id: str
+    ) -> Any:
+        groups = [
+            self._Grouped(keys=row, object_group_id=row[0].object_group_id, layout_desc=layout)
+            for row in rows
+        ]
+        spec = self._Spec(key_groups=groups, num_kv_readers=num_kv_readers)
+        return self.sm.submit_prefetch_task(spec, external_request_id=request_id)
+
+    def wait_lookup(self, handle: Any, timeout: float) -> bool:
+        return bool(self.sm.wait_prefetch_status(handle, timeout))
+
+    def lookup_result(self, handle: Any, n_chunks: int) -> LookupOutcome:
+        result = self.sm.query_prefetch_status(handle)
+        if result is None:
+            return LookupOutcome(0, 0, 0)
+        rows = list(result.hit_cells)
+        hit = min((min(r.count_leading_ones(), n_chunks) for r in rows), default=0)
+        l1 = sum(_prefix_pop(r, hit) for r in (result.l1_hit_cells or []))
+        l2 = sum(_prefix_pop(r, hit) for r in (result.l2_hit_cells or []))
+        return LookupOutcome(hit, l1, l2)
+
+    def read_locked(self, keys: list[Any]) -> list[Any] | None:
+        """The MemoryObjs of read-locked keys, or None when any key is missing/unlocked."""
+        if not keys:
+            return []
+        res = self.l1.unsafe_read(keys)
+        out = []
+        for k in keys:
+            err, obj = res.get(k, (None, None))
+            if err != self._L1Error.SUCCESS or obj is None:
+                return None
+            out.append(obj)
+        return out
+
+    def release_read(self, keys: list[Any], shares: int = 1) -> None:
+        if keys and shares > 0:
+            self.l1.finish_read(keys, shares)
+
+    def touch(self, keys: list[Any]) -> None:
+        if keys:
+            self.l1.touch_keys(keys)
+
+    # -- maintenance -------------------------------------------------------------
+    def clear(self, force: bool) -> None:
+        with self._clear_lock:  # concurrent clears run one at a time
+            self.l1.clear(force=force)
+
+    def memory_usage(self) -> tuple[int, int]:
+        return self.l1.get_memory_usage()
+
+    def staging_bytes(self) -> int:
+        fn = getattr(self.l1, "get_staging_memory_usage", None)
+        try:
+            return int(fn()) if fn else 0
+        except Exception:
+            return 0
+
+    def shm_segment(self) -> tuple[str, int]:
+        """(segment name, size) of the shm-backed L1 arena, or ("", 0)."""
+        desc = self.l1.get_l1_memory_desc()
+        name = getattr(self.l1, "shm_name", None) or getattr(desc, "shm_name", None) or ""
+        if not name:
+            return "", 0
+        return str(name), int(getattr(desc, "size", 0))
+
+    def status(self) -> dict[str, Any]:
+        try:
+            return self.sm.report_status()
+        except Exception as exc:
+            return {"error": f"{type(exc).__name__}: {exc}"}
+
+    def close(self) -> None:
+        self.sm.close()
+
+
+def _prefix_pop(bitmap: Any, n: int) -> int:
+    return sum(1 for i in range(min(n, bitmap.size())) if bitmap.test(i))
+
+
+def _first_l1_manager(sm: Any) -> Any:
+    for attr in ("l1_manager", "_l1_manager"):
+        m = getattr(sm, attr, None)
+        if m is not None:
+            return m
+    for attr in ("l1_managers", "_l1_managers"):
+        ms = getattr(sm, attr, None)
+        if ms:
+            return ms[0] if isinstance(ms, list | tuple) else next(iter(ms.values()))
+    raise RuntimeError("StorageManager exposes no L1 manager (expected .l1_manager)")

@@ -1,0 +1,63 @@
+"""Prefix-chained chunk hashes (spec/protocol.md 4.2) and kv_rank packing (4.3).
+
+``h_i = blake3(h_{i-1} || uint32_be(t) for t in chunk_i)`` starting from
+``NONE_HASH = blake3(12 zero bytes)``. Only complete chunks are hashed.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from blake3 import blake3
+
+SUPPORTED_HASH_ALGORITHMS = ("blake3",)
+LATER_HASH_ALGORITHMS = ("builtin", "sha256_cbor", "sha256_cbor_64bit")
+
+NONE_HASH: bytes = blake3((0).to_bytes(8, "big", signed=True) + (0).to_bytes(4, "big")).digest()
+
+
+def hash_to_bytes(h: bytes | int) -> bytes:
+    """bytes stay as they are; an int becomes 8-byte signed big-endian."""
+    if isinstance(h, bytes):
+        return h
+    return int(h).to_bytes(8, "big", signed=True)
+
+
+def tokens_to_be_bytes(token_ids: list[int] | np.ndarray) -> bytes:
+    """uint32 big-endian bytes of the tokens; ValueError names an out-of-range token."""
+    arr = np.asarray(token_ids, dtype=np.int64)
+    if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= 1 << 32):
+        bad = int(arr.min()) if int(arr.min()) < 0 else int(arr.max())
+        raise ValueError(f"token id {bad} is outside [0, 2^32); token ids must be uint32")
+    return arr.astype(">u4").tobytes()
+
+
+def chunk_hashes(
+    token_ids: list[int] | np.ndarray,
+    chunk_size: int,
+    *,
+    prefix: list[bytes] | None = None,
+    token_bytes: bytes | None = None,
+) -> list[bytes]:
+    """Hashes of every complete chunk of ``token_ids``.
+
+    ``prefix`` holds already-known hashes of the first chunks (the session cache); only
+    the chunks after them are computed.
+    """
+    raw = token_bytes if token_bytes is not None else tokens_to_be_bytes(token_ids)
+    n_chunks = (len(raw) // 4) // chunk_size
+    out = list(prefix[:n_chunks]) if prefix else []
+    prev = out[-1] if out else NONE_HASH
+    step = chunk_size * 4
+    for i in range(len(out), n_chunks):
+        prev = blake3(prev + raw[i * step : (i + 1) * step]).digest()
+        out.append(prev)
+    return out
+
+
+def compute_kv_rank(world_size: int, rank: int) -> int:
+    """MP kv_rank: (ws << 24) | (rank << 16) | (ws << 8) | rank, 8 bits per field."""
+    if not 1 <= world_size <= 255:
+        raise ValueError(f"world_size must be in 1..255 (got {world_size})")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, {world_size}) (got {rank})")
+    return (world_size << 24) | (rank << 16) | (world_size << 8) | rank

@@ -1,0 +1,203 @@
+"""Paged KV <-> host chunk copies shared by the server and the worker contexts.
+
+Both functions run on the platform's ``multi_layer_block_kv_transfer`` resolved for the
+KV tensor's own device (``resolve_device_ops(t.device.type)``), and produce/consume the
+canonical host chunk of platform.md 1.4: ``[2, L, T, NH*HS]`` (``[L, T, HS]`` for MLA).
+
+``kv_caches`` is a list of per-layer tensors in a vLLM layout: NHD ``[2, NB, BS, NH, HS]``,
+HND ``[2, NB, NH, BS, HS]`` (pass ``layout_hints={"kv_layout": "HND"}``), flashinfer
+``[NB, 2, BS, NH, HS]`` / ``[NB, 2, NH, BS, HS]`` or MLA ``[NB, BS, HS]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from lmcache.utils import init_logger
+from lmcache.v1.platform.ops_types import (
+    EngineKVFormat,
+    PageBufferShapeDesc,
+    TransferDirection,
+)
+
+logger = init_logger(__name__)
+
+
+@dataclass(frozen=True)
+class KVGeometry:
+    fmt: EngineKVFormat
+    num_layers: int
+    num_blocks: int
+    block_size: int
+    num_heads: int
+    head_size: int
+    dtype: torch.dtype
+
+    @property
+    def kv_size(self) -> int:
+        return 1 if self.fmt == EngineKVFormat.NL_X_NB_BS_HS else 2
+
+    @property
+    def hidden_dim(self) -> int:
+        return self.num_heads * self.head_size
+
+    def chunk_shape(self, tokens_per_chunk: int) -> tuple[int, ...]:
+        if self.kv_size == 1:
+            return (self.num_layers, tokens_per_chunk, self.hidden_dim)
+        return (2, self.num_layers, tokens_per_chunk, self.hidden_dim)
+
+    def shape_desc(self) -> PageBufferShapeDesc:
+        return PageBufferShapeDesc(
+            kv_size=self.kv_size,
+            nl=self.num_layers,
+            nb=self.num_blocks,
+            bs=self.block_size,
+            nh=self.num_heads,
+            hs=self.head_size,
+            element_size=torch.empty((), dtype=self.dtype).element_size(),
+            dtype=self.dtype,
+        )
+
+
+def kv_geometry(
+    kv_caches: list[torch.Tensor],
+    layout_hints: dict[str, Any] | None = None,
+    engine_kv_format: Any = None,
+) -> KVGeometry:
+    """Detect the engine layout of per-layer KV tensors (NHD unless hinted HND)."""
+    if not kv_caches:
+        raise ValueError("kv_caches is empty")
+    t = kv_caches[0]
+    hint = str((layout_hints or {}).get("kv_layout") or "NHD").upper()
+    nl = len(kv_caches)
+    if engine_kv_format is not None:
+        fmt = EngineKVFormat(int(engine_kv_format))
+    elif t.dim() == 3:
+        fmt = EngineKVFormat.NL_X_NB_BS_HS
+    elif t.dim() == 5 and t.shape[0] == 2:
+        fmt = (
+            EngineKVFormat.NL_X_TWO_NB_NH_BS_HS
+            if hint == "HND"
+            else EngineKVFormat.NL_X_TWO_NB_BS_NH_HS
+        )
+    elif t.dim() == 5 and t.shape[1] == 2:
+        fmt = (
+            EngineKVFormat.NL_X_NB_TWO_NH_BS_HS
+            if hint == "HND"
+            else EngineKVFormat.NL_X_NB_TWO_BS_NH_HS
+        )
+    else:
+        raise ValueError(
+            f"unsupported KV cache tensor shape {tuple(t.shape)}: expected NHD/HND "
+            "[2, NB, BS, NH, HS], flashinfer [NB, 2, ...] or MLA [NB, BS, HS]"
+        )
+    s = t.shape
+    if fmt == EngineKVFormat.NL_X_NB_BS_HS:
+        nb, bs, nh, hs = s[0], s[1], 1, s[2]
+    elif fmt == EngineKVFormat.NL_X_TWO_NB_BS_NH_HS:
+        nb, bs, nh, hs = s[1], s[2], s[3], s[4]
+    elif fmt == EngineKVFormat.NL_X_TWO_NB_NH_BS_HS:
+        nb, nh, bs, hs = s[1], s[2], s[3], s[4]
+    elif fmt == EngineKVFormat.NL_X_NB_TWO_BS_NH_HS:
+        nb, bs, nh, hs = s[0], s[2], s[3], s[4]
+    elif fmt == EngineKVFormat.NL_X_NB_TWO_NH_BS_HS:
+        nb, nh, bs, hs = s[0], s[2], s[3], s[4]
+    else:
+        raise ValueError(f"engine_kv_format {fmt.name} is not supported by the MP copy path")
+    return KVGeometry(fmt, nl, int(nb), int(bs), int(nh), int(hs), t.dtype)
+
+
+def _ops_for(t: torch.Tensor) -> Any:
+    from lmcache.v1.platform import resolve_device_ops
+
+    return resolve_device_ops(t.device.type)
+
+
+def _select(
+    block_ids: list[int], bpc: int, chunk_indices: list[int] | None
+) -> tuple[list[int], list[int]]:
+    n_chunks = (len(block_ids) + bpc - 1) // bpc
+    idx = list(range(n_chunks)) if chunk_indices is None else list(chunk_indices)
+    flat: list[int] = []
+    for i in idx:
+        flat.extend(block_ids[i * bpc : (i + 1) * bpc])
+    return idx, flat
+
+
+def gather_paged_kv_to_cpu(
+    kv_caches: list[torch.Tensor],
+    block_ids: list[int],
+    blocks_per_chunk: int,
+    layout_hints: dict[str, Any] | None = None,
+    engine_kv_format: Any = None,
+    out: list[torch.Tensor] | None = None,
+    chunk_indices: list[int] | None = None,
+    engine_type: Any = None,
+) -> list[torch.Tensor]:
+    """Copy the blocks of each selected chunk into host chunks (D2H).
+
+    ``block_ids`` is flat in chunk-token order for the whole range; ``chunk_indices``
+    selects chunks (0-based, relative to the range); ``out`` (aligned with the
+    selection) receives the data, otherwise fresh CPU chunks are allocated.
+    """
+    geo = kv_geometry(kv_caches, layout_hints, engine_kv_format)
+    idx, flat = _select(list(block_ids), blocks_per_chunk, chunk_indices)
+    tokens = blocks_per_chunk * geo.block_size
+    if out is None:
+        out = [torch.empty(geo.chunk_shape(tokens), dtype=geo.dtype) for _ in idx]
+    if len(out) != len(idx):
+        raise ValueError(f"out has {len(out)} chunks but {len(idx)} were selected")
+    if not idx:
+        return out
+    ops = _ops_for(kv_caches[0])
+    ops.multi_layer_block_kv_transfer(
+        list(kv_caches),
+        list(out),
+        flat,
+        kv_caches[0].device,
+        TransferDirection.D2H,
+        geo.shape_desc(),
+        tokens,
+        geo.fmt,
+        0,
+    )
+    return out
+
+
+def scatter_cpu_to_paged_kv(
+    kv_caches: list[torch.Tensor],
+    block_ids: list[int],
+    chunks: list[torch.Tensor],
+    blocks_per_chunk: int,
+    skip_first_n_tokens: int = 0,
+    layout_hints: dict[str, Any] | None = None,
+    engine_kv_format: Any = None,
+    engine_type: Any = None,
+) -> None:
+    """Copy host chunks into the paged KV blocks (H2D); the first ``skip_first_n_tokens``
+    tokens (rounded down to whole blocks) are never written."""
+    geo = kv_geometry(kv_caches, layout_hints, engine_kv_format)
+    if skip_first_n_tokens % geo.block_size:
+        logger.error(
+            "skip_first_n_tokens %d is not a multiple of block_size %d; rounding down",
+            skip_first_n_tokens,
+            geo.block_size,
+        )
+    skip_blocks = skip_first_n_tokens // geo.block_size
+    if not chunks:
+        return
+    ops = _ops_for(kv_caches[0])
+    ops.multi_layer_block_kv_transfer(
+        list(kv_caches),
+        list(chunks),
+        list(block_ids),
+        kv_caches[0].device,
+        TransferDirection.H2D,
+        geo.shape_desc(),
+        blocks_per_chunk * geo.block_size,
+        geo.fmt,
+        skip_blocks,
+    )

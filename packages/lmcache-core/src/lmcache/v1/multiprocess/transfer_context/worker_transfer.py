@@ -1,0 +1,307 @@
+"""Worker-side transfer contexts (platform.md 6.2-6.6, spec/protocol.md 8).
+
+Both contexts share one surface, used by the vLLM connector and the benchmarks::
+
+    ctx = create_transfer_context(kv_caches, instance_id=iid, req_client=client)
+    ctx.register(model_name, world_size)           # op 1 or op 14, then negotiation
+    ok = ctx.submit_store(key, block_ids).result()  # MPFuture -> bool
+    ok = ctx.submit_retrieve(key, block_ids, skip_first_n_tokens=0).result()
+    ctx.unregister(); ctx.close()
+
+``kv_caches``: per-layer tensors (a list, or vLLM's ``{layer_name: tensor}`` dict).
+``block_ids``: the flat block list covering ``[key.start, key.end)`` (or ``[[...]]``).
+``ctx.mode`` is ``"SHM"``, ``"pickle"``, ``"raw_v1"`` or ``"lmcache_driven"``.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from typing import Any
+
+import torch
+
+from lmcache.utils import init_logger
+from lmcache.v1.multiprocess import payload_codec as codec
+from lmcache.v1.multiprocess import protocol as P
+from lmcache.v1.multiprocess.client import MPClient, MPFuture
+from lmcache.v1.multiprocess.transfer_context.base import (
+    gather_paged_kv_to_cpu,
+    kv_geometry,
+    scatter_cpu_to_paged_kv,
+)
+
+logger = init_logger(__name__)
+
+
+def _as_list(kv_caches: Any) -> list[torch.Tensor]:
+    if isinstance(kv_caches, dict):
+        return list(kv_caches.values())
+    return list(kv_caches)
+
+
+def _flat_ids(block_ids: Any) -> list[int]:
+    if isinstance(block_ids, torch.Tensor):
+        return [int(b) for b in block_ids.reshape(-1).tolist()]
+    ids = list(block_ids)
+    if ids and isinstance(ids[0], list | tuple):
+        return [int(b) for b in ids[0]]
+    return [int(b) for b in ids]
+
+
+class _BaseContext:
+    mode = ""
+
+    def __init__(
+        self,
+        kv_caches: Any,
+        *,
+        instance_id: int,
+        req_client: MPClient,
+        layout_hints: dict[str, Any] | None = None,
+        timeout: float | None = 300.0,
+    ) -> None:
+        self.kv_caches = _as_list(kv_caches)
+        self.instance_id = int(instance_id)
+        self.client = req_client
+        self.layout_hints = dict(layout_hints or {})
+        self.timeout = timeout
+        self.geometry = kv_geometry(self.kv_caches, self.layout_hints)
+        self.chunk_size = 0
+        self.model_name = ""
+        self.world_size = 1
+
+    @property
+    def blocks_per_chunk(self) -> int:
+        return self.chunk_size // self.geometry.block_size
+
+    def _prepare_common(self, model_name: str, world_size: int) -> None:
+        self.model_name, self.world_size = model_name, int(world_size)
+        self.chunk_size = int(self.client.get_chunk_size(timeout=self.timeout))
+        if self.chunk_size % self.geometry.block_size:
+            raise ValueError(
+                f"server chunk_size {self.chunk_size} is not a multiple of the KV block size "
+                f"{self.geometry.block_size}"
+            )
+        self.client.negotiate_default_features()
+
+    def create_recorded_event(self) -> None:
+        return None
+
+    def flush_inflight_stores(self) -> None:
+        return None
+
+
+class EngineDrivenTransferContext(_BaseContext):
+    """The worker copies its paged KV to/from host chunks the server manages (op 14-19)."""
+
+    def __init__(self, kv_caches: Any, **kwargs: Any) -> None:
+        super().__init__(kv_caches, **kwargs)
+        self.mode = ""
+        self._shm_fd: int | None = None
+        self._shm_map: mmap.mmap | None = None
+        self._shm_flat: torch.Tensor | None = None
+        self.shm_name = ""
+
+    def register(self, model_name: str, world_size: int, engine_group_infos: Any = None) -> None:
+        if engine_group_infos is not None and len(engine_group_infos) > 1:
+            raise ValueError("engine-driven transfer does not support multiple KV transfer groups now")
+        self._prepare_common(model_name, world_size)
+        geo = self.geometry
+        payload = P.RegisterEngineDrivenContextPayload(
+            instance_id=self.instance_id,
+            model_name=model_name,
+            world_size=int(world_size),
+            block_size=geo.block_size,
+            num_layers=geo.num_layers,
+            hidden_dim_size=geo.hidden_dim,
+            dtype_str=str(geo.dtype).removeprefix("torch."),
+            use_mla=geo.kv_size == 1,
+            num_physical_slots=self.chunk_size,
+        )
+        reply = self.client.call("register_kv_cache_engine_driven_context", payload, timeout=self.timeout)
+        shm_name = str((reply or {}).get("shm_name", "") or "")
+        pool_size = int((reply or {}).get("pool_size", 0) or 0)
+        self._detach()
+        if shm_name and pool_size > 0:
+            logger.info("Creating EngineDrivenContextShm (shm_name=%s, pool_size=%d)", shm_name, pool_size)
+            try:
+                self._attach(shm_name, pool_size)
+                self.mode = "SHM"
+            except OSError as exc:
+                tail = "raw_v1" if self._raw else "pickle"
+                logger.warning(
+                    "Failed to initialize SHM context (shm_name=%s), falling back to %s transport: %s",
+                    shm_name, tail, exc,
+                )
+        if not self.mode:
+            if self._raw:
+                logger.info("Creating EngineDrivenContextRaw (raw_v1 transport)")
+                self.mode = "raw_v1"
+            else:
+                logger.info("Creating EngineDrivenContextPickle (pickle transport)")
+                self.mode = "pickle"
+        logger.info(
+            "Worker engine-driven context registered (instance_id=%d, mode=%s)", self.instance_id, self.mode
+        )
+
+    @property
+    def _raw(self) -> bool:
+        return P.FEATURE_RAW_PAYLOAD_V1 in self.client.features
+
+    def _attach(self, name: str, size: int) -> None:
+        fd = os.open(os.path.join("/dev/shm", name.lstrip("/")), os.O_RDWR)
+        try:
+            m = mmap.mmap(fd, size)
+        except Exception:
+            os.close(fd)
+            raise
+        self._shm_fd, self._shm_map, self.shm_name = fd, m, name
+        self._shm_flat = torch.frombuffer(m, dtype=torch.uint8)
+
+    def _detach(self) -> None:
+        self._shm_flat = None
+        if self._shm_map is not None:
+            try:
+                self._shm_map.close()
+            except BufferError:
+                pass  # a view is still alive; the mapping goes with it
+            self._shm_map = None
+        if self._shm_fd is not None:
+            os.close(self._shm_fd)
+            self._shm_fd = None
+
+    def _slot_views(self, slots: list[dict[str, Any]]) -> list[torch.Tensor]:
+        assert self._shm_flat is not None
+        out = []
+        for s in slots:
+            dtype = getattr(torch, s["dtype"])
+            raw = self._shm_flat[int(s["offset"]) : int(s["offset"]) + int(s["length"])]
+            out.append(raw.view(dtype).view(tuple(s["shape"])))
+        return out
+
+    def submit_store(self, key: P.IPCCacheServerKey, block_ids: Any) -> MPFuture:
+        ids = _flat_ids(block_ids)
+        bpc = self.blocks_per_chunk
+        n = (key.end - key.start) // self.chunk_size
+        reply = self.client.call("prepare_store", key, self.instance_id, timeout=self.timeout)
+        ctx = (reply or {}).get("context") or {}
+        ids = ids[: n * bpc]
+        if self.mode == "SHM" and "slots" in ctx:
+            idx = list(ctx.get("chunk_indices") or [])
+            if idx:
+                gather_paged_kv_to_cpu(
+                    self.kv_caches, ids, bpc, self.layout_hints, out=self._slot_views(ctx["slots"]), chunk_indices=idx
+                )
+            data = b""
+        elif ctx.get("encoding") == "raw_v1":
+            idx = list(ctx.get("chunk_indices") or [])
+            got = gather_paged_kv_to_cpu(self.kv_caches, ids, bpc, self.layout_hints, chunk_indices=idx)
+            chunks: list[Any] = [None] * n
+            for i, t in zip(idx, got, strict=True):
+                chunks[i] = t
+            data = codec.encode_raw_v1(chunks)
+        else:
+            data = codec.pickle_tensors(gather_paged_kv_to_cpu(self.kv_caches, ids, bpc, self.layout_hints))
+        ok = self.client.call("commit_store", key, self.instance_id, data, timeout=self.timeout)
+        return MPFuture.resolved(bool(ok), "store")
+
+    def submit_retrieve(self, key: P.IPCCacheServerKey, block_ids: Any, skip_first_n_tokens: int = 0) -> MPFuture:
+        ids = _flat_ids(block_ids)
+        bpc = self.blocks_per_chunk
+        n = (key.end - key.start) // self.chunk_size
+        reply = self.client.call("prepare_retrieve", key, self.instance_id, timeout=self.timeout) or {}
+        ok = bool(reply.get("success"))
+        ctx = reply.get("context") or {}
+        if ok:
+            try:
+                if "slots" in ctx:
+                    chunks = self._slot_views(ctx["slots"])
+                elif ctx.get("encoding") == "raw_v1":
+                    shape, dtype = tuple(ctx["shape"]), getattr(torch, ctx["dtype"])
+                    chunks = [
+                        torch.frombuffer(bytearray(v), dtype=torch.uint8).view(dtype).view(shape)
+                        for v in codec.decode_raw_v1(reply.get("data", b""), n)
+                    ]
+                else:
+                    chunks = codec.restricted_unpickle_tensors(
+                        reply.get("data", b""), expected_count=n, expected_dtype=self.geometry.dtype
+                    )
+                scatter_cpu_to_paged_kv(
+                    self.kv_caches, ids[: n * bpc], chunks, bpc, skip_first_n_tokens, self.layout_hints
+                )
+            except (RuntimeError, ValueError, TypeError, IndexError) as exc:
+                logger.error("engine-driven retrieve of %s failed: %s", key.request_id, exc)
+                ok = False
+        committed = self.client.call("commit_retrieve", key, self.instance_id, timeout=self.timeout)
+        return MPFuture.resolved(bool(ok and committed), "retrieve")
+
+    def unregister(self, timeout: float = 5.0) -> None:
+        try:
+            self.client.call("unregister_kv_cache_engine_driven_context", self.instance_id, timeout=timeout)
+        except Exception as exc:
+            logger.warning("unregister of instance %d failed: %s", self.instance_id, exc)
+
+    def close(self) -> None:
+        self._detach()
+
+
+class LMCacheDrivenTransferContext(_BaseContext):
+    """The server copies from/to this worker's KV memory, mapped through IPC wrappers (op 1, 6, 7)."""
+
+    mode = "lmcache_driven"
+
+    def __init__(self, kv_caches: Any, *, wrapper_factory: Any, **kwargs: Any) -> None:
+        super().__init__(kv_caches, **kwargs)
+        self.wrappers = [wrapper_factory(t) for t in self.kv_caches]
+
+    def register(self, model_name: str, world_size: int, engine_group_infos: Any = None) -> None:
+        self._prepare_common(model_name, world_size)
+        self.client.call(
+            "register_kv_cache",
+            self.instance_id,
+            self.wrappers,
+            model_name,
+            int(world_size),
+            "vllm",
+            self.layout_hints,
+            list(engine_group_infos or []),
+            timeout=self.timeout,
+        )
+        logger.info("Worker lmcache-driven context registered (instance_id=%d)", self.instance_id)
+
+    def submit_store(self, key: P.IPCCacheServerKey, block_ids: Any) -> MPFuture:
+        fut = self.client.submit("store", key, self.instance_id, [_flat_ids(block_ids)], b"")
+        return _ok_of(fut, "store")
+
+    def submit_retrieve(self, key: P.IPCCacheServerKey, block_ids: Any, skip_first_n_tokens: int = 0) -> MPFuture:
+        fut = self.client.submit("retrieve", key, self.instance_id, [_flat_ids(block_ids)], b"", int(skip_first_n_tokens))
+        return _ok_of(fut, "retrieve")
+
+    def unregister(self, timeout: float = 5.0) -> None:
+        try:
+            self.client.call("unregister_kv_cache", self.instance_id, timeout=timeout)
+        except Exception as exc:
+            logger.warning("unregister of instance %d failed: %s", self.instance_id, exc)
+
+    def close(self) -> None:
+        for w in self.wrappers:
+            try:
+                w.close()
+            except Exception:
+                pass
+
+
+def _ok_of(fut: MPFuture, op: str) -> MPFuture:
+    """An MPFuture resolving to the bool of a ``[event_handle, ok]`` reply."""
+    out = MPFuture(None, fut.uid, op)
+
+    def done(f: MPFuture) -> None:
+        try:
+            value = f.result(0)
+            out._set(bool(value[1]) if isinstance(value, list | tuple) and len(value) == 2 else False)
+        except Exception as exc:
+            out._set(exc)
+
+    fut.add_done_callback(done)
+    return out

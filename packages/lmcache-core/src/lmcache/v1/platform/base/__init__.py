@@ -1,0 +1,1 @@
+"""Contracts a device backend implements: DeviceSpec, DeviceOps and their helpers."""

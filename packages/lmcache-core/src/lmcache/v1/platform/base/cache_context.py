@@ -1,0 +1,275 @@
+"""``BaseCacheContext``: the server-side view of one worker's registered KV caches.
+
+Used by the LMCache-driven server module. Layers with the same format, geometry, dtype
+and engine group form a *kernel group* (one transfer call); kernel groups stored in one
+memory object form an *object group*. Inside an object, each kernel group is a
+C-contiguous ``[kv_size, num_layers, tokens, hidden_dim]`` array, in group order.
+"""
+
+from __future__ import annotations
+
+import abc
+import threading
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from lmcache.v1.platform.ops_types import EngineKVFormat, PageBufferShapeDesc
+
+
+@dataclass
+class KernelGroup:
+    group_id: int
+    layer_indices: list[int]
+    engine_kv_format: EngineKVFormat
+    shape_desc: PageBufferShapeDesc
+    dtype: Any
+    engine_group: int = 0
+    object_group: int = 0
+
+    @property
+    def kv_size(self) -> int:
+        return int(self.shape_desc.kv_size)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_indices)
+
+    @property
+    def block_size(self) -> int:
+        return int(self.shape_desc.bs)
+
+    @property
+    def hidden_dim(self) -> int:
+        from lmcache.v1.platform.kv_layout import hidden_dim_of
+
+        return hidden_dim_of(self.shape_desc)
+
+    def bytes_per_token(self) -> int:
+        return self.kv_size * self.num_layers * self.hidden_dim * int(self.shape_desc.element_size)
+
+
+@dataclass
+class ObjectGroup:
+    group_id: int
+    kernel_groups: list[KernelGroup] = field(default_factory=list)
+
+    def bytes_per_token(self) -> int:
+        return sum(kg.bytes_per_token() for kg in self.kernel_groups)
+
+    def kernel_group_offset(self, kg: KernelGroup, num_tokens: int) -> int:
+        """Byte offset of ``kg``'s array inside an object of ``num_tokens`` tokens."""
+        off = 0
+        for g in self.kernel_groups:
+            if g is kg:
+                return off
+            off += g.bytes_per_token() * num_tokens
+        raise ValueError(f"kernel group {kg.group_id} is not in object group {self.group_id}")
+
+
+@dataclass
+class KVLayerGroupsManager:
+    kernel_groups: list[KernelGroup]
+    object_groups: list[ObjectGroup]
+
+    @classmethod
+    def build(
+        cls,
+        kv_tensors: list[Any],
+        layout_hints: Any = None,
+        engine_group_infos: Any = (),
+        separate_object_groups: bool = False,
+    ) -> KVLayerGroupsManager:
+        """Group layers by (format, geometry, dtype, engine group)."""
+        from lmcache.v1.platform.kv_layout import detect_engine_kv_format, shape_desc_for
+
+        engine_group_of = _engine_groups(engine_group_infos, len(kv_tensors))
+        keyed: dict[tuple, list[int]] = {}
+        formats: dict[tuple, EngineKVFormat] = {}
+        for i, layer in enumerate(kv_tensors):
+            hint = layout_hints[i] if isinstance(layout_hints, (list, tuple)) else layout_hints
+            fmt = detect_engine_kv_format(layer, hint)
+            t = layer[0] if isinstance(layer, (tuple, list)) else layer
+            key = (int(fmt), tuple(t.shape), str(t.dtype), engine_group_of[i])
+            keyed.setdefault(key, []).append(i)
+            formats[key] = fmt
+        kernel_groups: list[KernelGroup] = []
+        for gid, (key, layers) in enumerate(keyed.items()):
+            fmt = formats[key]
+            desc = shape_desc_for(kv_tensors[layers[0]], fmt, len(layers))
+            kernel_groups.append(KernelGroup(gid, layers, fmt, desc, desc.dtype, key[3]))
+        object_groups: list[ObjectGroup] = []
+        if separate_object_groups:
+            by_engine: dict[int, ObjectGroup] = {}
+            for kg in kernel_groups:
+                og = by_engine.get(kg.engine_group)
+                if og is None:
+                    og = ObjectGroup(len(object_groups))
+                    by_engine[kg.engine_group] = og
+                    object_groups.append(og)
+                kg.object_group = og.group_id
+                og.kernel_groups.append(kg)
+        else:
+            og = ObjectGroup(0, list(kernel_groups))
+            object_groups.append(og)
+        return cls(kernel_groups, object_groups)
+
+
+def _engine_groups(engine_group_infos: Any, num_layers: int) -> list[int]:
+    """Engine group id per layer; infos are sequences of layer indices (or dicts with them)."""
+    out = [0] * num_layers
+    for gid, info in enumerate(engine_group_infos or ()):
+        layers = info.get("layer_indices", ()) if isinstance(info, dict) else info
+        try:
+            for li in layers:
+                if 0 <= int(li) < num_layers:
+                    out[int(li)] = gid
+        except TypeError:
+            continue
+    return out
+
+
+class BaseCacheContext(abc.ABC):
+    """Server-side handle on a worker's KV caches; one per registered instance."""
+
+    device_type: ClassVar[str] = ""
+
+    def __init__(
+        self,
+        *,
+        kv_caches: list[Any],
+        device: Any,
+        num_layers: int,
+        kv_layer_groups_manager: KVLayerGroupsManager,
+        block_ids_buffer: Any,
+        lmcache_tokens_per_chunk: int,
+    ) -> None:
+        if not type(self).device_type:
+            raise TypeError(f"{type(self).__name__} must set the device_type class attribute")
+        self._kv_caches = list(kv_caches)
+        self._device = device
+        self._num_layers = int(num_layers)
+        self.kv_layer_groups_manager = kv_layer_groups_manager
+        self._block_ids_buffer = block_ids_buffer
+        self.lmcache_tokens_per_chunk = int(lmcache_tokens_per_chunk)
+        self._held_events: list[Any] = []
+        self._event_lock = threading.Lock()
+
+    # ---- abstract ------------------------------------------------------------------------
+    @property
+    @abc.abstractmethod
+    def stream(self) -> Any: ...
+
+    @property
+    @abc.abstractmethod
+    def cupy_stream(self) -> Any: ...
+
+    @property
+    @abc.abstractmethod
+    def max_batch_size(self) -> int: ...
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+    @abc.abstractmethod
+    def get_kernel_group_kv_pointers(self, kg: KernelGroup) -> Any: ...
+
+    @abc.abstractmethod
+    def get_temp_kernel_group_buffer(self, batch_idx: int, kg: KernelGroup) -> Any: ...
+
+    @abc.abstractmethod
+    def get_temp_object_group_buffer(self, batch_idx: int, og: ObjectGroup) -> Any: ...
+
+    @abc.abstractmethod
+    def get_kernel_group_shape_dtype(self, num_tokens: int, kg: KernelGroup) -> tuple[Any, Any]: ...
+
+    @abc.abstractmethod
+    def cache_size_per_token(self) -> int: ...
+
+    # ---- concrete helpers --------------------------------------------------------------
+    @property
+    def device(self) -> Any:
+        return self._device
+
+    @property
+    def kv_tensors(self) -> list[Any]:
+        return self._kv_caches
+
+    @property
+    def num_layers(self) -> int:
+        return self._num_layers
+
+    @property
+    def kernel_groups(self) -> list[KernelGroup]:
+        return self.kv_layer_groups_manager.kernel_groups
+
+    @property
+    def object_groups(self) -> list[ObjectGroup]:
+        return self.kv_layer_groups_manager.object_groups
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self.kernel_groups[0].shape_desc.nb) if self.kernel_groups else 0
+
+    def _kg(self, kg: KernelGroup | None) -> KernelGroup:
+        return kg if kg is not None else self.kernel_groups[0]
+
+    def get_shape_desc(self, kg: KernelGroup | None = None) -> PageBufferShapeDesc:
+        return self._kg(kg).shape_desc
+
+    def get_engine_kv_format(self, kg: KernelGroup | None = None) -> EngineKVFormat:
+        return self._kg(kg).engine_kv_format
+
+    @property
+    def engine_kv_formats(self) -> list[EngineKVFormat]:
+        return [kg.engine_kv_format for kg in self.kernel_groups]
+
+    def kernel_group_layers(self, kg: KernelGroup) -> list[Any]:
+        """The paged tensors of ``kg`` (tensor operands for multi_layer_block_kv_transfer)."""
+        return [self._kv_caches[i] for i in kg.layer_indices]
+
+    def stage_block_ids(self, block_ids: Any) -> Any:
+        """Copy block ids into the pre-allocated buffer (non-blocking); returns the slice."""
+        import torch
+
+        ids = torch.as_tensor(block_ids, dtype=self._block_ids_buffer.dtype).reshape(-1)
+        n = int(ids.numel())
+        cap = int(self._block_ids_buffer.numel())
+        if n > cap:
+            raise ValueError(f"{n} block ids exceed the staging buffer capacity {cap}")
+        out = self._block_ids_buffer[:n]
+        out.copy_(ids, non_blocking=True)
+        return out
+
+    def report_status(self) -> dict[str, Any]:
+        return {
+            "device_type": self.device_type,
+            "device": str(self._device),
+            "num_layers": self._num_layers,
+            "num_blocks": self.num_blocks,
+            "lmcache_tokens_per_chunk": self.lmcache_tokens_per_chunk,
+            "kernel_groups": [
+                {
+                    "layers": len(kg.layer_indices),
+                    "format": kg.engine_kv_format.name,
+                    "block_size": kg.block_size,
+                    "hidden_dim": kg.hidden_dim,
+                    "dtype": str(kg.dtype),
+                }
+                for kg in self.kernel_groups
+            ],
+        }
+
+    def hold_imported_event(self, event: Any) -> None:
+        with self._event_lock:
+            self._held_events.append(event)
+
+    def release_imported_event(self, event: Any = None) -> None:
+        """Release one held event (or all when ``event`` is None)."""
+        with self._event_lock:
+            if event is None:
+                self._held_events.clear()
+            else:
+                for i, held in enumerate(self._held_events):
+                    if held is event:
+                        del self._held_events[i]
+                        break

@@ -1,0 +1,155 @@
+"""Python side of the CUDA/HIP kernels shared by lmcache-cuda and lmcache-rocm.
+
+Each wheel's ``cuda_ops`` module imports its compiled ``_C`` (raw addresses + stream
+handle, no torch C++ ABI) and calls :func:`make_native_ops` to get functions with the
+baseline signatures, which ``bind_native`` then binds. Operands the kernels cannot take
+(tuple formats, non-tight blocks, tensors off the GPU, pageable host chunks) go to the
+torch baseline unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch as _torch
+
+from lmcache.v1.platform import ops_types as _ops_types
+from lmcache.v1.platform import torch_ops as _torch_ops
+
+# Tuple formats have no pointer form; everything else is one generic strided kernel.
+_NO_POINTER_FORM = {
+    int(_ops_types.EngineKVFormat.NL_X_TWO_X_NB_BS_NH_HS),
+    int(_ops_types.EngineKVFormat.NL_X_NP_X_NB_BS_ONE_HS),
+}
+
+
+def _flatten(paged) -> list:
+    out = []
+    for item in paged:
+        if isinstance(item, (list, tuple)):
+            out.extend(_flatten(item))
+        else:
+            out.append(item)
+    return out
+
+
+def _paged_pointer_tensor(paged, device):
+    """int64 device tensor of plane addresses, or None when the operands need the
+    Python path (non-contiguous tensors, tuples, tensors off the GPU)."""
+    if isinstance(paged, _torch.Tensor):
+        if paged.dim() == 1 and paged.dtype in (_torch.int64, _torch.uint64):
+            return paged.to(device=device, dtype=_torch.int64).contiguous()
+        tensors = [paged]
+    else:
+        tensors = _flatten(paged)
+    ptrs = []
+    for t in tensors:
+        if not isinstance(t, _torch.Tensor) or t.device.type != "cuda" or not t.is_contiguous():
+            return None
+        ptrs.append(t.data_ptr())
+    return _torch.tensor(ptrs, dtype=_torch.int64, device=device)
+
+
+def _object_pointers(objects):
+    """Device-visible chunk addresses (ints pass through), or None for the Python path."""
+    ptrs = []
+    for obj in objects:
+        if isinstance(obj, int):
+            ptrs.append(obj)
+            continue
+        if not isinstance(obj, _torch.Tensor) or not obj.is_contiguous():
+            return None
+        if obj.device.type == "cpu" and not obj.is_pinned():
+            return None  # the kernel can only reach pinned host memory
+        ptrs.append(obj.data_ptr())
+    return ptrs
+
+
+def _element_size(shape_desc, paged, objects) -> int:
+    if getattr(shape_desc, "dtype", None) is not None:
+        return _torch.empty((), dtype=shape_desc.dtype).element_size()
+    for t in _flatten(paged) if not isinstance(paged, _torch.Tensor) else [paged]:
+        if isinstance(t, _torch.Tensor) and t.dtype not in (_torch.int64, _torch.uint64):
+            return t.element_size()
+    for obj in objects:
+        if isinstance(obj, _torch.Tensor):
+            return obj.element_size()
+    if getattr(shape_desc, "element_size", 0):
+        return int(shape_desc.element_size)
+    raise ValueError("cannot infer the KV dtype: set shape_desc.dtype or shape_desc.element_size")
+
+
+def make_native_ops(C: Any) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """(multi_layer_block_kv_transfer, lmcache_memcpy_async) over the compiled module ``C``."""
+
+    def multi_layer_block_kv_transfer(
+        paged_buffer_ptrs_tensor,
+        lmcache_objects_ptrs,
+        block_ids,
+        device,
+        direction,
+        shape_desc,
+        lmcache_chunk_size,
+        engine_kv_format,
+        skip_prefix_n_blocks,
+    ):
+        fmt = int(engine_kv_format)
+        fallback = fmt in _NO_POINTER_FORM or int(getattr(shape_desc, "block_stride_elems", 0) or 0)
+        dev = _torch.device(device) if not isinstance(device, _torch.device) else device
+        paged = None if fallback else _paged_pointer_tensor(paged_buffer_ptrs_tensor, dev)
+        objs = None if paged is None else _object_pointers(lmcache_objects_ptrs)
+        if paged is None or objs is None:
+            return _torch_ops.multi_layer_block_kv_transfer(
+                paged_buffer_ptrs_tensor,
+                lmcache_objects_ptrs,
+                block_ids,
+                device,
+                direction,
+                shape_desc,
+                lmcache_chunk_size,
+                engine_kv_format,
+                skip_prefix_n_blocks,
+            )
+        if isinstance(block_ids, _torch.Tensor):
+            ids = block_ids.reshape(-1)
+            if ids.dtype not in (_torch.int32, _torch.int64):
+                ids = ids.to(_torch.int64)
+            ids = ids.to(dev).contiguous()
+        else:
+            ids = _torch.tensor(list(block_ids), dtype=_torch.int64, device=dev)
+        elem = _element_size(shape_desc, paged_buffer_ptrs_tensor, lmcache_objects_ptrs)
+        stream = _torch.cuda.current_stream(dev).cuda_stream
+        C.block_kv_transfer(
+            paged.data_ptr(),
+            paged.numel(),
+            objs,
+            ids.data_ptr(),
+            ids.numel(),
+            ids.dtype == _torch.int32,
+            int(direction),
+            fmt,
+            int(shape_desc.nl),
+            int(shape_desc.nb),
+            int(shape_desc.bs),
+            int(shape_desc.nh),
+            int(shape_desc.hs),
+            elem,
+            int(lmcache_chunk_size),
+            int(skip_prefix_n_blocks),
+            stream,
+        )
+
+    def lmcache_memcpy_async(
+        dest, src, nbytes, direction, host_buffer_offset, host_buffer_alignments
+    ):
+        if not (isinstance(dest, int) and isinstance(src, int)):
+            return _torch_ops.lmcache_memcpy_async(
+                dest, src, nbytes, direction, host_buffer_offset, host_buffer_alignments
+            )
+        stream = _torch.cuda.current_stream().cuda_stream
+        C.memcpy_async(
+            dest, src, nbytes, int(direction), host_buffer_offset, host_buffer_alignments, stream
+        )
+
+    return multi_layer_block_kv_transfer, lmcache_memcpy_async

@@ -1,0 +1,1 @@
+"""Devices built into core. Only the CPU device lives here; accelerators ship as wheels."""

@@ -1,0 +1,81 @@
+"""Torch baseline ops: pure PyTorch, any device with standard tensor ops.
+
+Every public op of platform.md §4.2 is importable from here and mirrored by a
+``DeviceOps`` method of the same name and signature.
+"""
+
+from lmcache.v1.platform.torch_ops._block import multi_layer_block_kv_transfer
+from lmcache.v1.platform.torch_ops._legacy import multi_layer_kv_transfer
+from lmcache.v1.platform.torch_ops._memory import (
+    _tensor_from_ptr,
+    alloc_hugepage_pinned_numa_ptr,
+    alloc_hugepage_pinned_ptr,
+    alloc_numa_ptr,
+    alloc_pinned_numa_ptr,
+    alloc_pinned_ptr,
+    alloc_shm_pinned_ptr,
+    batched_memcpy,
+    free_hugepage_pinned_numa_ptr,
+    free_hugepage_pinned_ptr,
+    free_numa_ptr,
+    free_pinned_numa_ptr,
+    free_pinned_ptr,
+    free_shm_pinned_ptr,
+    host_tensor_from_ptr,
+    lmcache_memcpy_async,
+)
+from lmcache.v1.platform.torch_ops._misc import (
+    calculate_cdf,
+    decode_fast_new,
+    decode_fast_prefsum,
+    drain_recorded_completions,
+    drain_recorded_events,
+    encode_fast_new,
+    get_gpu_pci_bus_id,
+    load_and_reshape_flash,
+    multi_layer_kv_transfer_unilateral,
+    record_completion_on_stream,
+    record_event_on_stream,
+    reshape_and_cache_back_flash,
+    rotary_embedding_k_fused,
+    rotary_embedding_k_fused_strided,
+    single_layer_kv_transfer,
+    single_layer_kv_transfer_sgl,
+)
+
+__all__ = [
+    "_tensor_from_ptr",
+    "alloc_hugepage_pinned_numa_ptr",
+    "alloc_hugepage_pinned_ptr",
+    "alloc_numa_ptr",
+    "alloc_pinned_numa_ptr",
+    "alloc_pinned_ptr",
+    "alloc_shm_pinned_ptr",
+    "batched_memcpy",
+    "calculate_cdf",
+    "decode_fast_new",
+    "decode_fast_prefsum",
+    "drain_recorded_completions",
+    "drain_recorded_events",
+    "encode_fast_new",
+    "free_hugepage_pinned_numa_ptr",
+    "free_hugepage_pinned_ptr",
+    "free_numa_ptr",
+    "free_pinned_numa_ptr",
+    "free_pinned_ptr",
+    "free_shm_pinned_ptr",
+    "get_gpu_pci_bus_id",
+    "host_tensor_from_ptr",
+    "lmcache_memcpy_async",
+    "load_and_reshape_flash",
+    "multi_layer_block_kv_transfer",
+    "multi_layer_kv_transfer",
+    "multi_layer_kv_transfer_unilateral",
+    "record_completion_on_stream",
+    "record_event_on_stream",
+    "reshape_and_cache_back_flash",
+    "rotary_embedding_k_fused",
+    "rotary_embedding_k_fused_strided",
+    "single_layer_kv_transfer",
+    "single_layer_kv_transfer_sgl",
+]

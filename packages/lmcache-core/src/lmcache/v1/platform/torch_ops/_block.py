@@ -1,0 +1,456 @@
+"""``multi_layer_block_kv_transfer``: paged engine blocks <-> canonical host chunks.
+
+Every format is normalised to a list of *planes*: one engine tensor view per
+(k_or_v, layer[, plane]) whose first axis is the block axis, plus where its rows go in
+the host chunk (viewed as ``[KV, NL, T, W]``). NHD planes are ``[NB, BS, w]`` and move
+with one ``index_select``/``index_copy_`` per plane and chunk; HND planes are
+``[NB, NH, BS, x]`` and are permuted so each host row is head-major (platform.md §1.4).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from lmcache.v1.platform.ops_types import (
+    EngineKVFormat,
+    TransferDirection,
+    is_cross_layer,
+    is_fused_packed,
+    is_hnd,
+    is_kv_list,
+    is_kv_second_tuple,
+    is_mla,
+    is_pbs_fused,
+    is_single_kv,
+    to_engine_kv_format,
+)
+
+F = EngineKVFormat
+
+_ELEMENT_DTYPES = {1: torch.uint8, 2: torch.float16, 4: torch.float32}
+
+
+@dataclass
+class _Plane:
+    view: torch.Tensor  # NHD: [NB, BS, w]; HND: [NB, NH, BS, x]
+    hnd: bool
+    k: int  # index on the host chunk's KV axis
+    layer: int
+    col: tuple[int, int] | None = None  # host column slice (plane tuples), else all columns
+
+
+@dataclass
+class _Layout:
+    planes: list[_Plane]
+    kv: int
+    nl: int
+    bs: int
+    width: int  # host row width in elements of ``dtype``
+    dtype: torch.dtype
+    device: torch.device
+
+
+def _direction(direction: Any) -> TransferDirection:
+    try:
+        return TransferDirection(int(direction))
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"invalid transfer direction {direction!r}: expected TransferDirection.H2D or D2H"
+        ) from None
+
+
+def _view(t: torch.Tensor, *shape: int, what: str) -> torch.Tensor:
+    try:
+        return t.view(*shape)
+    except RuntimeError as exc:
+        raise ValueError(
+            f"cannot view {what} of shape {list(t.shape)} (stride {list(t.stride())}) as "
+            f"{list(shape)} without copying: {exc}"
+        ) from None
+
+
+def _check_rank(t: torch.Tensor, ranks: tuple[int, ...], fmt: EngineKVFormat, what: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{fmt.name}: {what} must be a tensor, got {type(t).__name__}")
+    if t.dim() not in ranks:
+        raise ValueError(
+            f"{fmt.name}: {what} has shape {list(t.shape)}; expected rank {' or '.join(map(str, ranks))}"
+        )
+
+
+def _as_list(paged: Any) -> list:
+    if isinstance(paged, torch.Tensor):
+        return [paged]
+    return list(paged)
+
+
+def _layer_planes(t: torch.Tensor, fmt: EngineKVFormat, layer: int, bs: int) -> list[_Plane]:
+    """Planes of one layer tensor of a layer-list format (not the tuple formats)."""
+    if fmt in (F.NL_X_TWO_NB_BS_NH_HS,):
+        _check_rank(t, (5, 4), fmt, "layer tensor")
+        return [
+            _Plane(_view(t[k], t.shape[1], t.shape[2], -1, what="K/V plane"), False, k, layer)
+            for k in range(2)
+        ]
+    if fmt == F.NL_X_NB_TWO_BS_NH_HS:
+        _check_rank(t, (5, 4), fmt, "layer tensor")
+        return [
+            _Plane(_view(t[:, k], t.shape[0], t.shape[2], -1, what="K/V plane"), False, k, layer)
+            for k in range(2)
+        ]
+    if fmt == F.NL_X_TWO_NB_NH_BS_HS:
+        _check_rank(t, (5,), fmt, "layer tensor")
+        return [_Plane(t[k], True, k, layer) for k in range(2)]
+    if fmt == F.NL_X_NB_TWO_NH_BS_HS:
+        _check_rank(t, (5,), fmt, "layer tensor")
+        return [_Plane(t[:, k], True, k, layer) for k in range(2)]
+    if fmt == F.NL_X_TWO_NB_NH_ONE_BS_HS:
+        _check_rank(t, (6,), fmt, "layer tensor")
+        if t.shape[3] != 1:
+            raise ValueError(f"{fmt.name}: dim 3 of {list(t.shape)} must be 1")
+        return [_Plane(t[k].select(2, 0), True, k, layer) for k in range(2)]
+    if fmt in (F.NL_X_NB_BS_HS, F.NL_X_NB_BSV_BSS):
+        _check_rank(t, (3,), fmt, "layer tensor")
+        return [_Plane(t, False, 0, layer)]
+    if fmt == F.NL_X_NBBS_ONE_HS:
+        _check_rank(t, (3, 2), fmt, "layer tensor")
+        return [_Plane(_view(t, -1, bs, t.shape[-1], what="MLA layer"), False, 0, layer)]
+    if fmt in (F.NL_X_NB_NH_BS_TWO_HS, F.NL_X_NB_NH_BS_CS):
+        _check_rank(t, (5, 4), fmt, "layer tensor")
+        return [
+            _Plane(
+                _view(t, t.shape[0], t.shape[1], t.shape[2], -1, what="fused layer"), True, 0, layer
+            )
+        ]
+    if fmt in (F.NL_X_NB_BS_NH_TWO_HS, F.NL_X_NB_BS_NH_CS, F.NL_X_NB_BS_NH_HS):
+        _check_rank(t, (5, 4, 3), fmt, "layer tensor")
+        return [_Plane(_view(t, t.shape[0], t.shape[1], -1, what="layer"), False, 0, layer)]
+    raise ValueError(f"{fmt.name} is not a per-layer tensor format")  # pragma: no cover
+
+
+def _plane_bs(p: _Plane) -> int:
+    return int(p.view.shape[2] if p.hnd else p.view.shape[1])
+
+
+def _plane_width(p: _Plane) -> int:
+    v = p.view
+    return int(v.shape[1] * v.shape[3]) if p.hnd else int(v.shape[2])
+
+
+def _prod(dims: Any) -> int:
+    out = 1
+    for d in dims:
+        out *= int(d)
+    return out
+
+
+def _pointer_tensors(
+    ptrs: torch.Tensor, fmt: EngineKVFormat, sd: Any, dtype: torch.dtype, device: Any
+) -> Any:
+    """Rebuild paged tensors from device addresses (platform.md §4.3 (e))."""
+    from lmcache.v1.platform.torch_ops._memory import _tensor_from_ptr
+
+    if is_kv_second_tuple(fmt):
+        raise ValueError(f"{fmt.name} (a tuple format) has no pointer form; pass tensors")
+    nb, nl, bs, nh, hs = int(sd.nb), int(sd.nl), int(sd.bs), int(sd.nh), int(sd.hs)
+    if min(nb, bs, hs) <= 0:
+        raise ValueError(
+            f"pointer operands need shape_desc nb/bs/hs > 0 (got nb={nb}, bs={bs}, hs={hs})"
+        )
+    nh = nh or 1
+    if fmt == F.NB_NL_TWO_BS_NH_HS:
+        per = [(nb, nl, 2, bs, nh, hs)]
+    elif fmt == F.NB_NL_TWO_NH_BS_HS:
+        per = [(nb, nl, 2, nh, bs, hs)]
+    elif fmt == F.TWO_X_NL_X_NBBS_NH_HS:
+        per = [(nb * bs, nh, hs)] * (2 * nl)
+    elif fmt == F.TWO_X_NL_X_NB_BS_NH_HS:
+        per = [(nb, bs, nh, hs)] * (2 * nl)
+    else:
+        shape = {
+            F.NL_X_NBBS_ONE_HS: (nb * bs, 1, hs),
+            F.NL_X_NB_BS_HS: (nb, bs, hs),
+            F.NL_X_NB_BSV_BSS: (nb, bs, hs),
+            F.NL_X_NB_NH_BS_TWO_HS: (nb, nh, bs, hs),
+            F.NL_X_NB_NH_BS_CS: (nb, nh, bs, hs),
+            F.NL_X_NB_BS_NH_TWO_HS: (nb, bs, nh, hs),
+            F.NL_X_NB_BS_NH_CS: (nb, bs, nh, hs),
+            F.NL_X_NB_BS_NH_HS: (nb, bs, nh, hs),
+            F.NL_X_TWO_NB_NH_BS_HS: (2, nb, nh, bs, hs),
+            F.NL_X_TWO_NB_BS_NH_HS: (2, nb, bs, nh, hs),
+            F.NL_X_NB_TWO_NH_BS_HS: (nb, 2, nh, bs, hs),
+            F.NL_X_NB_TWO_BS_NH_HS: (nb, 2, bs, nh, hs),
+            F.NL_X_TWO_NB_NH_ONE_BS_HS: (2, nb, nh, 1, bs, hs),
+        }[fmt]
+        per = [shape] * int(ptrs.numel())
+    shape0 = per[0]
+    if is_pbs_fused(fmt):
+        natural = bs * _prod(shape0[1:])
+    elif shape0[0] == 2 and not is_cross_layer(fmt):  # two-major: blocks live inside one plane
+        natural = _prod(shape0[2:])
+    else:
+        natural = _prod(shape0[1:])
+    stride = int(getattr(sd, "block_stride_elems", 0) or 0)
+    if stride and stride != natural:
+        raise NotImplementedError(
+            f"block_stride_elems={stride} (non-tight blocks; tight is {natural}) is not "
+            f"supported with pointer operands by the torch baseline for {fmt.name}; pass tensors"
+        )
+    addrs = [int(a) for a in ptrs.tolist()]
+    if len(addrs) != len(per):
+        raise ValueError(f"{fmt.name}: expected {len(per)} paged pointers, got {len(addrs)}")
+    tensors = [_tensor_from_ptr(a, shape, dtype, device) for a, shape in zip(addrs, per)]
+    if is_cross_layer(fmt):
+        return tensors[0]
+    return tensors
+
+
+def _build_layout(paged: Any, fmt: EngineKVFormat, sd: Any) -> _Layout:
+    bs_hint = int(getattr(sd, "bs", 0) or 0)
+    planes: list[_Plane] = []
+    if is_cross_layer(fmt):
+        items = _as_list(paged)
+        if len(items) != 1:
+            raise ValueError(f"{fmt.name}: expected one cross-layer tensor, got {len(items)}")
+        t = items[0]
+        _check_rank(t, (6,), fmt, "cross-layer tensor")
+        nl, kv = int(t.shape[1]), 2
+        hnd = is_hnd(fmt)
+        for layer in range(nl):
+            for k in range(2):
+                v = t[:, layer, k]
+                if not hnd:
+                    v = _view(v, v.shape[0], v.shape[1], -1, what="cross-layer plane")
+                planes.append(_Plane(v, hnd, k, layer))
+    elif is_kv_list(fmt):
+        items = list(paged)
+        if len(items) == 2 and isinstance(items[0], (list, tuple)):
+            keys, values = list(items[0]), list(items[1])
+        else:
+            if len(items) % 2:
+                raise ValueError(
+                    f"{fmt.name}: a flat K/V list needs an even length, got {len(items)}"
+                )
+            keys, values = items[: len(items) // 2], items[len(items) // 2 :]
+        if len(keys) != len(values):
+            raise ValueError(f"{fmt.name}: {len(keys)} K tensors but {len(values)} V tensors")
+        nl, kv = len(keys), 2
+        for k, group in enumerate((keys, values)):
+            for layer, t in enumerate(group):
+                if is_pbs_fused(fmt):
+                    _check_rank(t, (3, 2), fmt, "K/V tensor")
+                    if bs_hint <= 0:
+                        raise ValueError(
+                            f"{fmt.name} needs shape_desc.bs > 0 (tokens per block)"
+                        )
+                    v = _view(t, -1, bs_hint, t[0].numel(), what="K/V tensor")
+                else:
+                    _check_rank(t, (4, 3), fmt, "K/V tensor")
+                    v = _view(t, t.shape[0], t.shape[1], -1, what="K/V tensor")
+                planes.append(_Plane(v, False, k, layer))
+    elif is_kv_second_tuple(fmt):
+        layers = _as_list(paged)
+        nl = len(layers)
+        if is_mla(fmt):  # plane tuples, possibly mixed dtypes: move raw bytes
+            kv, width = 1, None
+            for layer, group in enumerate(layers):
+                col = 0
+                for p in group if isinstance(group, (list, tuple)) else (group,):
+                    _check_rank(p, (4, 3), fmt, "plane")
+                    raw = _view(p, p.shape[0], p.shape[1], -1, what="plane").view(torch.uint8)
+                    planes.append(_Plane(raw, False, 0, layer, (col, col + raw.shape[2])))
+                    col += raw.shape[2]
+                if width is None:
+                    width = col
+                elif width != col:
+                    raise ValueError(f"{fmt.name}: layer {layer} has {col} bytes per token, expected {width}")
+            dtype = torch.uint8
+        else:
+            kv = 2
+            for layer, pair in enumerate(layers):
+                if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+                    raise ValueError(f"{fmt.name}: layer {layer} must be a (K, V) tuple")
+                for k in range(2):
+                    t = pair[k]
+                    _check_rank(t, (4, 3), fmt, "K/V tensor")
+                    planes.append(_Plane(_view(t, t.shape[0], t.shape[1], -1, what="K/V"), False, k, layer))
+    else:
+        layers = _as_list(paged)
+        nl = len(layers)
+        kv = 1 if (is_mla(fmt) or is_fused_packed(fmt) or is_single_kv(fmt)) else 2
+        for layer, t in enumerate(layers):
+            planes.extend(_layer_planes(t, fmt, layer, bs_hint))
+    if not planes:
+        raise ValueError(f"{fmt.name}: no paged KV tensors given")
+    bs = _plane_bs(planes[0])
+    if bs_hint and bs_hint != bs:
+        raise ValueError(
+            f"shape_desc.bs={bs_hint} does not match the {bs} tokens per block of the "
+            f"{fmt.name} tensors; check engine_kv_format and the layout hint"
+        )
+    if fmt != F.NL_X_NP_X_NB_BS_ONE_HS:
+        width = _plane_width(planes[0])
+        dtype = planes[0].view.dtype
+    for p in planes:
+        if _plane_bs(p) != bs or (p.col is None and _plane_width(p) != width):
+            raise ValueError(f"{fmt.name}: paged tensors disagree on block size or row width")
+    return _Layout(planes, kv, nl, bs, width, dtype, planes[0].view.device)  # type: ignore[arg-type]
+
+
+def _infer_pointer_dtype(sd: Any, objects: list) -> torch.dtype:
+    dt = getattr(sd, "dtype", None)
+    if isinstance(dt, torch.dtype):
+        return dt
+    for obj in objects:
+        if isinstance(obj, torch.Tensor):
+            return obj.dtype
+    es = int(getattr(sd, "element_size", 0) or 0)
+    if es in _ELEMENT_DTYPES:
+        return _ELEMENT_DTYPES[es]
+    if es:
+        raise ValueError(f"shape_desc.element_size={es} has no dtype; set shape_desc.dtype")
+    raise ValueError("cannot infer the KV dtype: set shape_desc.dtype or shape_desc.element_size")
+
+
+def _host_view(obj: Any, layout: _Layout, index: int) -> torch.Tensor:
+    """Object ``index`` as ``[KV, NL, T_obj, W]`` in the layout's dtype (zero-copy)."""
+    if isinstance(obj, int) and not isinstance(obj, bool):
+        raise AssertionError("pointer objects are rebuilt before this point")  # pragma: no cover
+    if not isinstance(obj, torch.Tensor):
+        raise ValueError(
+            f"lmcache object {index} must be a tensor or a host address, got {type(obj).__name__}"
+        )
+    t = obj
+    if t.dtype != layout.dtype and t.element_size() == layout.dtype.itemsize:
+        t = t.view(layout.dtype)  # bitwise: same element size, reinterpret in place
+    elif t.dtype != layout.dtype:
+        if not t.is_contiguous():
+            raise ValueError(
+                f"lmcache object {index} ({t.dtype}) must be contiguous to be reinterpreted as {layout.dtype}"
+            )
+        t = t.reshape(-1).view(layout.dtype)
+    per_token = layout.kv * layout.nl * layout.width
+    if t.numel() % per_token:
+        raise ValueError(
+            f"lmcache object {index} has {t.numel()} elements, not a multiple of "
+            f"{layout.kv}x{layout.nl}x{layout.width} (KV x layers x row width)"
+        )
+    return _view(t, layout.kv, layout.nl, -1, layout.width, what=f"lmcache object {index}")
+
+
+def multi_layer_block_kv_transfer(
+    paged_buffer_ptrs_tensor: Any,
+    lmcache_objects_ptrs: Any,
+    block_ids: Any,
+    device: Any,
+    direction: Any,
+    shape_desc: Any,
+    lmcache_chunk_size: int,
+    engine_kv_format: Any,
+    skip_prefix_n_blocks: int,
+) -> None:
+    fmt = to_engine_kv_format(engine_kv_format)
+    direction = _direction(direction)
+    chunk = int(lmcache_chunk_size)
+    if chunk <= 0:
+        raise ValueError(f"lmcache_chunk_size={lmcache_chunk_size} must be > 0")
+    skip = int(skip_prefix_n_blocks)
+    if skip < 0:
+        raise ValueError(f"skip_prefix_n_blocks={skip_prefix_n_blocks} must be >= 0")
+    objects = list(lmcache_objects_ptrs)
+    paged = paged_buffer_ptrs_tensor
+    if (
+        isinstance(paged, torch.Tensor)
+        and paged.dim() == 1
+        and paged.dtype in (torch.int64, torch.uint64)
+    ):
+        dtype = _infer_pointer_dtype(shape_desc, objects)
+        dev = torch.device(device) if device is not None else torch.device("cpu")
+        paged = _pointer_tensors(paged, fmt, shape_desc, dtype, dev)
+    layout = _build_layout(paged, fmt, shape_desc)
+    bs = layout.bs
+    if chunk % bs:
+        raise ValueError(
+            f"lmcache_chunk_size={chunk} is not a multiple of the block size {bs}"
+        )
+    bpo = chunk // bs
+
+    if isinstance(block_ids, torch.Tensor):
+        ids = block_ids.reshape(-1).to(device=layout.device, dtype=torch.long)
+    else:
+        ids = torch.as_tensor(list(block_ids), dtype=torch.long, device=layout.device)
+    n = int(ids.numel())
+    if n > len(objects) * bpo:
+        raise ValueError(
+            f"{n} block ids need {-(-n // bpo)} lmcache objects of {bpo} blocks, "
+            f"got {len(objects)}"
+        )
+    if skip >= n:
+        return
+
+    if any(isinstance(o, int) and not isinstance(o, bool) for o in objects):
+        if fmt == F.NL_X_NP_X_NB_BS_ONE_HS:
+            raise ValueError(f"{fmt.name} has no pointer form for lmcache objects; pass tensors")
+        from lmcache.v1.platform.torch_ops._memory import _tensor_from_ptr
+
+        shape = (layout.kv, layout.nl, chunk, layout.width)
+        objects = [
+            _tensor_from_ptr(o, shape, layout.dtype, "cpu") if isinstance(o, int) else o
+            for o in objects
+        ]
+
+    for i, obj in enumerate(objects):
+        start = i * bpo
+        end = min(start + bpo, n)
+        valid = max(start, skip)
+        if valid >= end:
+            continue
+        host = _host_view(obj, layout, i)
+        t0 = (valid - start) * bs
+        nt = (end - valid) * bs
+        if t0 + nt > host.shape[2]:
+            raise ValueError(
+                f"lmcache object {i} holds {host.shape[2]} tokens; rows {t0}..{t0 + nt} needed"
+            )
+        idx = ids[valid:end]
+        nblk = end - valid
+        if direction == TransferDirection.D2H:
+            _gather(layout, host, idx, nblk, t0, nt)
+        else:
+            src = host if host.device == layout.device else host.to(layout.device, non_blocking=True)
+            _scatter(layout, src, idx, nblk, t0, nt)
+
+
+def _rows(host: torch.Tensor, p: _Plane, t0: int, nt: int) -> torch.Tensor:
+    rows = host[p.k, p.layer, t0 : t0 + nt]
+    if p.col is not None:
+        rows = rows[:, p.col[0] : p.col[1]]
+    return rows
+
+
+def _gather(layout: _Layout, host: torch.Tensor, idx: torch.Tensor, nblk: int, t0: int, nt: int):
+    same_device = host.device == layout.device
+    for p in layout.planes:
+        dst = _rows(host, p, t0, nt).unflatten(0, (nblk, layout.bs))
+        if p.hnd:
+            g = p.view.index_select(0, idx)  # [n, NH, BS, x]
+            dst.unflatten(2, (g.shape[1], g.shape[3])).copy_(
+                g.permute(0, 2, 1, 3), non_blocking=True
+            )
+        elif same_device and dst.is_contiguous():
+            torch.index_select(p.view, 0, idx, out=dst)  # one pass, straight into the chunk
+        else:
+            dst.copy_(p.view.index_select(0, idx), non_blocking=True)
+
+
+def _scatter(layout: _Layout, host: torch.Tensor, idx: torch.Tensor, nblk: int, t0: int, nt: int):
+    for p in layout.planes:
+        src = _rows(host, p, t0, nt).unflatten(0, (nblk, layout.bs))
+        if p.hnd:
+            nh, x = p.view.shape[1], p.view.shape[3]
+            p.view.index_copy_(0, idx, src.unflatten(2, (nh, x)).permute(0, 2, 1, 3))
+        else:
+            p.view.index_copy_(0, idx, src)

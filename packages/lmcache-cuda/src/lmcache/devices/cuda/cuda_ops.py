@@ -1,0 +1,15 @@
+"""Native ops module bound by ``CudaDeviceOps.ensure_native`` (platform.md §3.4).
+
+``_C`` is built by nvcc only with LMCACHE_BUILD_CUDA=1; without it importing this module
+raises ImportError and the ops stay on the torch baseline (one WARNING). ``bind_native``
+binds every public callable here, so everything else is private.
+"""
+
+from __future__ import annotations
+
+from lmcache.devices.cuda import _C as _C
+from lmcache.v1.platform.cuda_family.native_shim import make_native_ops as _make
+
+MAX_OBJECTS_PER_CALL = _C.MAX_OBJECTS_PER_LAUNCH
+
+multi_layer_block_kv_transfer, lmcache_memcpy_async = _make(_C)

@@ -1,0 +1,13 @@
+"""``CudaDeviceOps``: the CUDA-family ops with this wheel's compiled kernels."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from lmcache.v1.platform.cuda_family.device_ops import CudaFamilyDeviceOps
+
+
+class CudaDeviceOps(CudaFamilyDeviceOps):
+    # Present only when the wheel was built with LMCACHE_BUILD_CUDA=1 (nvcc); otherwise
+    # ensure_native() logs one warning and the torch baseline answers.
+    native_module_name: ClassVar[str | None] = "lmcache.devices.cuda.cuda_ops"

@@ -1,0 +1,243 @@
+// fs_native: one file per key under base_path, written through a unique temp file and
+// published without ever replacing an existing file (storage.md §8.1-8.2).
+#pragma once
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <sys/statvfs.h>
+#include <sys/syscall.h>
+#include <sys/types.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <thread>
+
+#include "connector_base.h"
+
+#ifndef RENAME_NOREPLACE
+#define RENAME_NOREPLACE (1 << 0)
+#endif
+
+namespace lmcache {
+namespace storage {
+namespace fs {
+
+struct FSConnection {
+  std::mt19937_64 rng;
+  bool published_in_tile = false;
+};
+
+// "model/x@000000ff@0@abcd[@salt]" -> "model-SEP-x@0x000000ff@0@abcd[@salt].data"
+inline std::string native_key_to_filename(const std::string& key) {
+  const size_t at = key.find('@');
+  if (at == std::string::npos || at == 0) throw std::invalid_argument("malformed key: " + key);
+  std::string out;
+  out.reserve(key.size() + 16);
+  for (size_t i = 0; i < at; ++i) {
+    if (key[i] == '/')
+      out += "-SEP-";
+    else
+      out += key[i];
+  }
+  out += "@0x";
+  out.append(key, at + 1, std::string::npos);
+  out += ".data";
+  if (out.find('/') != std::string::npos || out.find('\0') != std::string::npos)
+    throw std::invalid_argument("malformed key: " + key);
+  return out;
+}
+
+inline std::string errno_text(const std::string& what, const std::string& path, int err) {
+  return what + " " + path + ": " + std::strerror(err);
+}
+
+class FSConnector : public connector::ConnectorBase<FSConnection> {
+ public:
+  FSConnector(std::string base_path, int num_workers, std::string relative_tmp_dir,
+              bool use_odirect, size_t read_ahead_size, bool fsync)
+      : connector::ConnectorBase<FSConnection>(num_workers),
+        base_(strip_slash(std::move(base_path))),
+        use_odirect_(use_odirect),
+        read_ahead_(read_ahead_size),
+        fsync_(fsync) {
+    if (base_.empty()) throw std::invalid_argument("base_path must be a non-empty string");
+    make_dirs(base_);
+    tmp_dir_ = base_;
+    if (!relative_tmp_dir.empty()) {
+      if (relative_tmp_dir[0] == '/' || relative_tmp_dir.find("..") != std::string::npos)
+        throw std::invalid_argument("Invalid relative_tmp_dir: " + relative_tmp_dir);
+      tmp_dir_ = base_ + "/" + strip_slash(relative_tmp_dir);
+      make_dirs(tmp_dir_);
+    }
+    struct statvfs vfs;
+    if (::statvfs(base_.c_str(), &vfs) == 0 && vfs.f_bsize >= 512) block_ = vfs.f_bsize;
+    start_workers();
+  }
+
+  ~FSConnector() override { close(); }
+
+  const std::string& base_path() const { return base_; }
+
+ protected:
+  FSConnection create_connection() override {
+    std::random_device rd;
+    return FSConnection{std::mt19937_64((uint64_t(rd()) << 32) ^ rd()), false};
+  }
+
+  bool do_single_get(FSConnection&, const std::string& key, void* buf, size_t len,
+                     size_t) override {
+    const std::string path = base_ + "/" + native_key_to_filename(key);
+    const bool direct = aligned(buf, len);
+    int fd = open_retry(path, O_RDONLY | O_CLOEXEC, direct);
+    if (fd < 0) return false;  // missing file: a miss
+    struct stat st;
+    bool ok = ::fstat(fd, &st) == 0 && static_cast<size_t>(st.st_size) >= len;
+    if (ok && read_ahead_ > 0) ::posix_fadvise(fd, 0, read_ahead_, POSIX_FADV_WILLNEED);
+    size_t done = 0;
+    while (ok && done < len) {
+      ssize_t n = ::pread(fd, static_cast<char*>(buf) + done, len - done, done);
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) ok = false;  // error or short file: a miss
+      else done += static_cast<size_t>(n);
+    }
+    ::close(fd);
+    return ok;
+  }
+
+  void do_single_set(FSConnection& conn, const std::string& key, const void* buf, size_t len,
+                     size_t) override {
+    conn.published_in_tile |= store_one(conn, key, buf, len);
+  }
+
+  void do_batch_set(FSConnection& conn, const connector::Request& req) override {
+    conn.published_in_tile = false;
+    connector::ConnectorBase<FSConnection>::do_batch_set(conn, req);
+    // One directory fsync per tile makes every link() of the tile durable.
+    if (conn.published_in_tile && fsync_) fsync_dir(base_);
+  }
+
+  bool do_single_exists(FSConnection&, const std::string& key) override {
+    struct stat st;
+    const std::string path = base_ + "/" + native_key_to_filename(key);
+    return ::stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode) && st.st_size > 0;
+  }
+
+  bool do_single_delete(FSConnection&, const std::string& key) override {
+    const std::string path = base_ + "/" + native_key_to_filename(key);
+    return ::unlink(path.c_str()) == 0;
+  }
+
+ private:
+  static std::string strip_slash(std::string p) {
+    while (p.size() > 1 && p.back() == '/') p.pop_back();
+    return p;
+  }
+
+  static void make_dirs(const std::string& path) {
+    std::string partial;
+    size_t pos = 0;
+    while (pos != std::string::npos) {
+      pos = path.find('/', pos + 1);
+      partial = path.substr(0, pos);
+      if (partial.empty()) continue;
+      if (::mkdir(partial.c_str(), 0755) != 0 && errno != EEXIST)
+        throw std::runtime_error(errno_text("cannot create directory", partial, errno));
+    }
+  }
+
+  bool aligned(const void* buf, size_t len) const {
+    return use_odirect_ && len > 0 && reinterpret_cast<uintptr_t>(buf) % block_ == 0 &&
+           len % block_ == 0;
+  }
+
+  // Opens with O_DIRECT when asked, falling back to buffered I/O where the filesystem
+  // refuses it (tmpfs, some overlays).
+  static int open_retry(const std::string& path, int flags, bool direct, mode_t mode = 0) {
+    int fd = -1;
+    if (direct) {
+      do {
+        fd = ::open(path.c_str(), flags | O_DIRECT, mode);
+      } while (fd < 0 && errno == EINTR);
+      if (fd >= 0 || errno != EINVAL) return fd;
+    }
+    do {
+      fd = ::open(path.c_str(), flags, mode);
+    } while (fd < 0 && errno == EINTR);
+    return fd;
+  }
+
+  static void fsync_dir(const std::string& dir) {
+    int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (dfd < 0) return;
+    ::fsync(dfd);
+    ::close(dfd);
+  }
+
+  // Returns true when this call published the file, false when it already existed.
+  bool store_one(FSConnection& conn, const std::string& key, const void* buf, size_t len) {
+    const std::string name = native_key_to_filename(key);
+    const std::string final_path = base_ + "/" + name;
+    struct stat st;
+    if (::stat(final_path.c_str(), &st) == 0) return false;  // first writer wins
+
+    char suffix[64];
+    std::snprintf(suffix, sizeof(suffix), ".%d-%ld-%08x.tmp", static_cast<int>(::getpid()),
+                  static_cast<long>(::syscall(SYS_gettid)),
+                  static_cast<unsigned>(conn.rng() & 0xffffffffu));
+    const std::string stem = name.substr(0, name.size() - 5);  // minus ".data"
+    const std::string tmp_path = tmp_dir_ + "/" + stem + suffix;
+
+    int fd = open_retry(tmp_path, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, aligned(buf, len),
+                        0644);
+    if (fd < 0) throw std::runtime_error(errno_text("cannot create", tmp_path, errno));
+    size_t done = 0;
+    while (done < len) {
+      ssize_t n = ::write(fd, static_cast<const char*>(buf) + done, len - done);
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) {
+        int err = n < 0 ? errno : EIO;
+        ::close(fd);
+        ::unlink(tmp_path.c_str());
+        throw std::runtime_error(errno_text("write failed for", tmp_path, err));
+      }
+      done += static_cast<size_t>(n);  // short writes are retried
+    }
+    if (fsync_ && ::fsync(fd) != 0) {
+      int err = errno;
+      ::close(fd);
+      ::unlink(tmp_path.c_str());
+      throw std::runtime_error(errno_text("fsync failed for", tmp_path, err));
+    }
+    ::close(fd);
+
+    // Publish without replacing: link() fails with EEXIST when another writer won.
+    int rc = ::link(tmp_path.c_str(), final_path.c_str());
+    int err = rc == 0 ? 0 : errno;
+    if (rc != 0 && err != EEXIST) {
+      // Filesystems without hard links: an atomic no-replace rename instead.
+      rc = static_cast<int>(::syscall(SYS_renameat2, AT_FDCWD, tmp_path.c_str(), AT_FDCWD,
+                                      final_path.c_str(), RENAME_NOREPLACE));
+      err = rc == 0 ? 0 : errno;
+    }
+    ::unlink(tmp_path.c_str());
+    if (err == EEXIST) return false;
+    if (rc != 0) throw std::runtime_error(errno_text("cannot publish", final_path, err));
+    return true;
+  }
+
+  std::string base_;
+  std::string tmp_dir_;
+  bool use_odirect_;
+  size_t read_ahead_;
+  bool fsync_;
+  size_t block_ = 4096;
+};
+
+}  // namespace fs
+}  // namespace storage
+}  // namespace lmcache

@@ -1,0 +1,367 @@
+"""``fs``: a pure-Python file-per-key L2 adapter (storage.md §8.1).
+
+Work runs on a bounded thread pool (``num_workers`` threads per adapter, never a thread per
+key); completions are signalled through three event notifiers.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor, wait
+from typing import Any
+
+from lmcache.lmcache_native import Bitmap, TTLLock
+from lmcache.storage.fs._files import (
+    ScanProgress,
+    fs_block_size,
+    read_file_into,
+    scan_directory,
+    write_new_file,
+)
+from lmcache.storage.fs.config import FSL2AdapterConfig, check_relative_tmp_dir
+from lmcache.utils import init_logger
+from lmcache.v1.distributed.api import ObjectKey
+from lmcache.v1.distributed.internal_api import L2StoreResult
+from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface, L2TaskId
+from lmcache.v1.distributed.l2_adapters.key_codec import object_key_to_filename
+from lmcache.v1.platform.event_notifier import create_event_notifier
+
+logger = init_logger(__name__)
+
+LOCK_TTL_SECONDS = 300
+DELETE_TIMEOUT_SECONDS = 30
+MAX_DELETES_IN_FLIGHT = 64
+
+
+class _Batch:
+    """Counts down the keys of one task; the last one finishes the task."""
+
+    def __init__(self, n: int) -> None:
+        self.remaining = n
+        self.ok = [False] * n
+        self.new_bytes = [0] * n
+        self.lock = threading.Lock()
+
+    def done(self, i: int, ok: bool, new_bytes: int = 0) -> bool:
+        with self.lock:
+            self.ok[i] = ok
+            self.new_bytes[i] = new_bytes
+            self.remaining -= 1
+            return self.remaining == 0
+
+
+class FSL2Adapter(L2AdapterInterface):
+    def __init__(
+        self, config: FSL2AdapterConfig | dict[str, Any], l1_memory_desc: Any = None, **_: Any
+    ) -> None:
+        if isinstance(config, dict):
+            config = FSL2AdapterConfig.from_dict(config)
+        super().__init__(max_capacity_bytes=config.max_capacity_bytes)
+        check_relative_tmp_dir(config.relative_tmp_dir)
+        self._cfg = config
+        self._base = os.path.abspath(config.base_path)
+        os.makedirs(self._base, exist_ok=True)
+        self._tmp_dir = (
+            os.path.join(self._base, config.relative_tmp_dir)
+            if config.relative_tmp_dir
+            else self._base
+        )
+        os.makedirs(self._tmp_dir, exist_ok=True)
+        self._block = fs_block_size(self._base)
+        self._odirect_warned = False
+
+        self._pool = ThreadPoolExecutor(config.num_workers, thread_name_prefix="lmc-fs")
+        self._delete_pool = ThreadPoolExecutor(
+            min(MAX_DELETES_IN_FLIGHT, max(4, config.num_workers)), thread_name_prefix="lmc-fs-del"
+        )
+        self._store_notifier = create_event_notifier()
+        self._lookup_notifier = create_event_notifier()
+        self._load_notifier = create_event_notifier()
+
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._store_results: dict[L2TaskId, L2StoreResult] = {}
+        self._lookup_results: dict[L2TaskId, Bitmap] = {}
+        self._load_results: dict[L2TaskId, Bitmap] = {}
+        self._sizes: dict[ObjectKey, int] = {}  # keys counted in usage, with their sizes
+        self._locks: dict[ObjectKey, TTLLock] = {}
+        self._deleting: set[ObjectKey] = set()
+        self._closed = False
+
+        self._scan = ScanProgress()
+        self._scan_thread = threading.Thread(
+            target=scan_directory,
+            args=(self._base, self._tmp_dir, self._on_recovered, self._scan),
+            name="lmc-fs-scan",
+            daemon=True,
+        )
+        self._scan_thread.start()
+
+    # --- fds ------------------------------------------------------------------------------
+
+    def get_store_event_fd(self) -> int:
+        return self._store_notifier.fileno()
+
+    def get_lookup_and_lock_event_fd(self) -> int:
+        return self._lookup_notifier.fileno()
+
+    def get_load_event_fd(self) -> int:
+        return self._load_notifier.fileno()
+
+    # --- helpers --------------------------------------------------------------------------
+
+    def _path(self, key: ObjectKey) -> str:
+        return os.path.join(self._base, object_key_to_filename(key))
+
+    def _direct_ok(self, obj: Any, n: int) -> bool:
+        if not self._cfg.use_odirect:
+            return False
+        if obj.data_ptr % self._block == 0 and n % self._block == 0 and n > 0:
+            return True
+        if not self._odirect_warned:
+            self._odirect_warned = True
+            logger.warning(
+                "fs: use_odirect is on but a buffer (address %#x, %d bytes) is not aligned to "
+                "%d bytes; using buffered I/O for such buffers (set --l1-align-bytes %d)",
+                obj.data_ptr,
+                n,
+                self._block,
+                self._block,
+            )
+        return False
+
+    def _on_recovered(self, keys: list[ObjectKey], sizes: list[int]) -> None:
+        with self._lock:
+            fresh = [(k, s) for k, s in zip(keys, sizes) if k not in self._sizes]
+            for k, s in fresh:
+                self._sizes[k] = s
+        if fresh:
+            self._notify_keys_stored([k for k, _ in fresh], [s for _, s in fresh])
+
+    def _submit(self, fn: Any, *args: Any) -> None:
+        try:
+            self._pool.submit(fn, *args)
+        except RuntimeError:  # closed: the task simply never completes
+            pass
+
+    # --- store ----------------------------------------------------------------------------
+
+    def submit_store_task(self, keys: list[ObjectKey], objects: list[Any]) -> L2TaskId:
+        tid = next(self._ids)
+        if not keys:
+            self._finish_store(tid, [], _Batch(0))
+            return tid
+        batch = _Batch(len(keys))
+        for i, (key, obj) in enumerate(zip(keys, objects)):
+            self._submit(self._store_one, tid, keys, batch, i, key, obj)
+        return tid
+
+    def _store_one(
+        self, tid: L2TaskId, keys: list[ObjectKey], batch: _Batch, i: int, key: ObjectKey, obj: Any
+    ) -> None:
+        ok, written = False, 0
+        try:
+            data = obj.byte_array
+            written = write_new_file(
+                self._path(key),
+                self._tmp_dir,
+                data,
+                fsync=self._cfg.fsync,
+                direct=self._direct_ok(obj, len(data)),
+            )
+            ok = True
+        except Exception as exc:
+            logger.warning("fs: store of %s failed: %s", object_key_to_filename(key), exc)
+        if batch.done(i, ok, written):
+            self._finish_store(tid, keys, batch)
+
+    def _finish_store(self, tid: L2TaskId, keys: list[ObjectKey], batch: _Batch) -> None:
+        new: list[tuple[ObjectKey, int]] = []
+        with self._lock:
+            for key, n in zip(keys, batch.new_bytes):
+                if n > 0 and key not in self._sizes:
+                    self._sizes[key] = n
+                    new.append((key, n))
+        if new:
+            self._notify_keys_stored([k for k, _ in new], [n for _, n in new])
+        result = L2StoreResult(all(batch.ok), sum(n for _, n in new))
+        with self._lock:
+            self._store_results[tid] = result
+        self._store_notifier.notify()
+
+    def pop_completed_store_tasks(self) -> dict[L2TaskId, L2StoreResult]:
+        with self._lock:
+            out, self._store_results = self._store_results, {}
+        return out
+
+    # --- lookup and lock -----------------------------------------------------------------
+
+    def submit_lookup_and_lock_task(
+        self, keys: list[ObjectKey], group_layout_descs: dict[int, Any] | None = None
+    ) -> L2TaskId:
+        tid = next(self._ids)
+        self._submit(self._lookup, tid, list(keys))
+        return tid
+
+    def _lookup(self, tid: L2TaskId, keys: list[ObjectKey]) -> None:
+        bm = Bitmap(len(keys))
+        for i, key in enumerate(keys):
+            # Lock first, then look: a delete that starts later skips the key.
+            with self._lock:
+                if key in self._deleting:
+                    continue
+                self._locks.setdefault(key, TTLLock(LOCK_TTL_SECONDS)).lock()
+            try:
+                st = os.stat(self._path(key))
+                hit = st.st_size > 0
+            except OSError:
+                hit = False
+            if hit:
+                bm.set(i)
+            else:
+                self._unlock_one(key)
+        with self._lock:
+            self._lookup_results[tid] = bm
+        self._lookup_notifier.notify()
+
+    def query_lookup_and_lock_result(self, task_id: L2TaskId) -> Bitmap | None:
+        with self._lock:
+            return self._lookup_results.pop(task_id, None)
+
+    def _unlock_one(self, key: ObjectKey) -> None:
+        with self._lock:
+            lock = self._locks.get(key)
+            if lock is None:
+                return
+            lock.unlock()
+            if not lock.is_locked():
+                del self._locks[key]
+
+    def submit_unlock(self, keys: list[ObjectKey]) -> None:
+        for key in keys:
+            self._unlock_one(key)
+
+    def is_locked(self, key: ObjectKey) -> bool:
+        with self._lock:
+            lock = self._locks.get(key)
+            return lock is not None and lock.is_locked()
+
+    # --- load -----------------------------------------------------------------------------
+
+    def submit_load_task(self, keys: list[ObjectKey], objects: list[Any]) -> L2TaskId:
+        tid = next(self._ids)
+        if not keys:
+            with self._lock:
+                self._load_results[tid] = Bitmap(0)
+            self._load_notifier.notify()
+            return tid
+        batch = _Batch(len(keys))
+        for i, (key, obj) in enumerate(zip(keys, objects)):
+            self._submit(self._load_one, tid, keys, batch, i, key, obj)
+        return tid
+
+    def _load_one(
+        self, tid: L2TaskId, keys: list[ObjectKey], batch: _Batch, i: int, key: ObjectKey, obj: Any
+    ) -> None:
+        ok = False
+        try:
+            dest = obj.byte_array
+            ok = read_file_into(
+                self._path(key),
+                dest,
+                direct=self._direct_ok(obj, len(dest)),
+                read_ahead=self._cfg.read_ahead_size,
+            )
+        except Exception as exc:
+            logger.warning("fs: load of %s failed: %s", object_key_to_filename(key), exc)
+        if not batch.done(i, ok):
+            return
+        bm = Bitmap(len(keys))
+        loaded = []
+        for j, good in enumerate(batch.ok):
+            if good:
+                bm.set(j)
+                loaded.append(keys[j])
+        if loaded:
+            self._notify_keys_accessed(loaded)
+        with self._lock:
+            self._load_results[tid] = bm
+        self._load_notifier.notify()
+
+    def query_load_result(self, task_id: L2TaskId) -> Bitmap | None:
+        with self._lock:
+            return self._load_results.pop(task_id, None)
+
+    # --- delete ---------------------------------------------------------------------------
+
+    def delete(self, keys: list[ObjectKey]) -> None:
+        """Unlink unlocked keys (locked ones are skipped). Each removal notifies on its own,
+        so one that finishes after the 30 s wait still updates usage."""
+        with self._lock:
+            todo = []
+            for key in dict.fromkeys(keys):
+                lock = self._locks.get(key)
+                if (lock is not None and lock.is_locked()) or key in self._deleting:
+                    continue
+                self._deleting.add(key)
+                todo.append(key)
+        if not todo:
+            return
+        futures = []
+        for key in todo:
+            try:
+                futures.append(self._delete_pool.submit(self._delete_one, key))
+            except RuntimeError:
+                with self._lock:
+                    self._deleting.discard(key)
+        _, pending = wait(futures, timeout=DELETE_TIMEOUT_SECONDS)
+        if pending:
+            logger.warning(
+                "fs: delete() timed out after %ss for %d keys", DELETE_TIMEOUT_SECONDS, len(pending)
+            )
+
+    def _delete_one(self, key: ObjectKey) -> None:
+        try:
+            try:
+                os.unlink(self._path(key))
+                removed = True
+            except FileNotFoundError:
+                removed = False
+            except OSError as exc:
+                logger.warning("fs: cannot delete %s: %s", object_key_to_filename(key), exc)
+                removed = False
+            with self._lock:
+                size = self._sizes.pop(key, 0)
+            if removed or size:
+                self._notify_keys_deleted([key], [size])
+        finally:
+            with self._lock:
+                self._deleting.discard(key)
+
+    # --- status and lifecycle -------------------------------------------------------------
+
+    def report_status(self) -> dict[str, Any]:
+        with self._lock:
+            locked = sum(1 for lk in self._locks.values() if lk.is_locked())
+            known = len(self._sizes)
+        return {
+            "is_healthy": not self._closed and self._scan.error is None,
+            "type_name": "fs",
+            "base_path": self._base,
+            "keys": known,
+            "locked_keys": locked,
+            "scan": self._scan.as_dict(),
+        }
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        # wait=True: no buffer is touched once close() returns.
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._delete_pool.shutdown(wait=True, cancel_futures=True)
+        for n in (self._store_notifier, self._lookup_notifier, self._load_notifier):
+            n.close()

@@ -1,0 +1,276 @@
+"""``MluDeviceOps``: KV-block transfers for Cambricon MLU with torch_mlu tensor ops.
+
+Supported: ``multi_layer_block_kv_transfer`` with real per-layer tensors in K/V-first
+NHD ``[2, NB, BS, NH, HS]`` (#1), K/V-first HND ``[2, NB, NH, BS, HS]`` (#6) and MLA
+``[NB, BS, HS]`` (#3), to and from canonical token-major host chunks (platform.md §1.4,
+§4.3 skip and partial-chunk rules), and tensor-mode ``lmcache_memcpy_async``.
+Everything that would treat MLU addresses as host pointers raises instead.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from lmcache.v1.platform import torch_ops
+from lmcache.v1.platform.base.device_ops import DeviceOps
+from lmcache.v1.platform.ops_types import EngineKVFormat, TransferDirection, to_engine_kv_format
+
+F = EngineKVFormat
+SUPPORTED_FORMATS = (F.NL_X_TWO_NB_BS_NH_HS, F.NL_X_TWO_NB_NH_BS_HS, F.NL_X_NB_BS_HS)
+
+
+def _unsupported(op: str) -> NotImplementedError:
+    return NotImplementedError(
+        f"{op} is not supported by the mlu backend (legacy in-process transfer); use the "
+        "multiprocess engine-driven path (multi_layer_block_kv_transfer)"
+    )
+
+
+def _supported_text() -> str:
+    return ", ".join(f"{f.name} (#{int(f)})" for f in SUPPORTED_FORMATS)
+
+
+class MluDeviceOps(DeviceOps):
+    device_type: ClassVar[str] = "mlu"
+    kv_transfer_operands: ClassVar[str | None] = "tensor"
+
+    # ensure_native: inherited no-op (no native kernels for MLU).
+
+    # ---- refused entry points ------------------------------------------------------------
+    def tensor_from_ptr(self, ptr, shape, dtype, device=None):
+        raise ValueError(
+            "Device backend 'mlu' does not support tensor construction from raw pointers "
+            f"(ptr={ptr!r}); pass real MLU tensors"
+        )
+
+    def lmcache_memcpy_async(
+        self, dest, src, nbytes, direction, host_buffer_offset, host_buffer_alignments
+    ):
+        if isinstance(dest, int) or isinstance(src, int):
+            raise ValueError(
+                "lmcache_memcpy_async with raw pointers is not supported by the mlu backend "
+                f"(dest={dest!r}, src={src!r}); pass tensors"
+            )
+        return torch_ops.lmcache_memcpy_async(
+            dest, src, nbytes, direction, host_buffer_offset, host_buffer_alignments
+        )
+
+    def multi_layer_kv_transfer(self, *args, **kwargs):
+        raise _unsupported("multi_layer_kv_transfer")
+
+    def multi_layer_kv_transfer_unilateral(self, *args, **kwargs):
+        raise _unsupported("multi_layer_kv_transfer_unilateral")
+
+    def single_layer_kv_transfer(self, *args, **kwargs):
+        raise _unsupported("single_layer_kv_transfer")
+
+    def single_layer_kv_transfer_sgl(self, *args, **kwargs):
+        raise _unsupported("single_layer_kv_transfer_sgl")
+
+    def load_and_reshape_flash(self, *args, **kwargs):
+        raise _unsupported("load_and_reshape_flash")
+
+    def reshape_and_cache_back_flash(self, *args, **kwargs):
+        raise _unsupported("reshape_and_cache_back_flash")
+
+    # ---- stream-ordered recorders: wait on the supplied queue, then publish ----------------
+    def _queue(self, handle: int) -> Any:
+        import torch
+
+        mlu = torch.mlu
+        if not handle:
+            return mlu.default_stream()  # handle 0: default queue of the current device
+        return mlu.ExternalStream(int(handle))  # borrowed; the caller keeps it alive
+
+    def record_completion_on_stream(self, cuda_stream_ptr, kind, payload):
+        self._queue(cuda_stream_ptr).synchronize()
+        return torch_ops.record_completion_on_stream(0, kind, payload)
+
+    def record_event_on_stream(
+        self, cuda_stream_ptr, event_type_name, session_id, str_metadata, int_metadata
+    ):
+        self._queue(cuda_stream_ptr).synchronize()
+        return torch_ops.record_event_on_stream(
+            0, event_type_name, session_id, str_metadata, int_metadata
+        )
+
+    # ---- block transfer --------------------------------------------------------------------
+    def multi_layer_block_kv_transfer(
+        self,
+        paged_buffer_ptrs_tensor,
+        lmcache_objects_ptrs,
+        block_ids,
+        device,
+        direction,
+        shape_desc,
+        lmcache_chunk_size,
+        engine_kv_format,
+        skip_prefix_n_blocks,
+    ):
+        import torch
+
+        fmt = to_engine_kv_format(engine_kv_format)
+        if fmt not in SUPPORTED_FORMATS:
+            raise ValueError(
+                f"mlu multi_layer_block_kv_transfer does not support engine_kv_format "
+                f"{fmt.name} (#{int(fmt)}); supported: {_supported_text()}"
+            )
+        layers = self._layers(paged_buffer_ptrs_tensor, fmt)
+        objects = list(lmcache_objects_ptrs)
+        for i, obj in enumerate(objects):
+            if not isinstance(obj, torch.Tensor):
+                raise ValueError(
+                    f"mlu multi_layer_block_kv_transfer needs host chunk tensors; lmcache "
+                    f"object {i} is {type(obj).__name__} (raw pointers are not supported)"
+                )
+        try:
+            d = TransferDirection(int(direction))
+        except ValueError:
+            raise ValueError(f"direction={direction!r} must be H2D (0) or D2H (1)") from None
+        chunk = int(lmcache_chunk_size)
+        skip = int(skip_prefix_n_blocks)
+        bs = int(layers[0].shape[_BS_AXIS[fmt]])
+        if chunk <= 0 or chunk % bs:
+            raise ValueError(
+                f"lmcache_chunk_size={lmcache_chunk_size} must be > 0 and a multiple of the "
+                f"block size {bs}"
+            )
+        if skip < 0:
+            raise ValueError(f"skip_prefix_n_blocks={skip_prefix_n_blocks} must be >= 0")
+        bpo = chunk // bs
+        dev = layers[0].device
+        if isinstance(block_ids, torch.Tensor):
+            ids = block_ids.reshape(-1).to(device=dev, dtype=torch.long)
+        else:
+            ids = torch.as_tensor(list(block_ids), dtype=torch.long, device=dev)
+        n = int(ids.numel())
+        if n > len(objects) * bpo:
+            raise ValueError(
+                f"{n} block ids need {-(-n // bpo)} lmcache objects of {bpo} blocks, "
+                f"got {len(objects)}"
+            )
+        for i, obj in enumerate(objects):
+            start = i * bpo
+            end = min(start + bpo, n)
+            valid = max(start, skip)  # the skip is global over the flat block list
+            if valid >= end:
+                continue
+            t0 = (valid - start) * bs
+            nt = (end - valid) * bs
+            host = self._host_rows(obj, fmt, layers, chunk, i)[..., t0 : t0 + nt, :]
+            idx = ids[valid:end]
+            if d == TransferDirection.D2H:
+                self._store(layers, fmt, idx, host, dev)
+            else:
+                self._load(layers, fmt, idx, host)
+        return None
+
+    @staticmethod
+    def _layers(paged: Any, fmt: EngineKVFormat) -> list:
+        import torch
+
+        if isinstance(paged, torch.Tensor):
+            if paged.dim() == 1 and paged.dtype in (torch.int64, torch.uint64):
+                raise ValueError(
+                    "mlu multi_layer_block_kv_transfer does not accept pointer operands "
+                    "(a 1-D tensor of device addresses); pass the per-layer MLU tensors"
+                )
+            raise ValueError(
+                f"mlu multi_layer_block_kv_transfer needs a list of per-layer tensors for "
+                f"{fmt.name}, got one tensor of shape {tuple(paged.shape)}"
+            )
+        layers = list(paged)
+        want = 3 if fmt == F.NL_X_NB_BS_HS else 5
+        for i, t in enumerate(layers):
+            if not isinstance(t, torch.Tensor) or t.dim() != want:
+                raise ValueError(
+                    f"mlu {fmt.name}: layer {i} must be a {want}-D tensor, got "
+                    f"{getattr(t, 'shape', type(t).__name__)}"
+                )
+        if not layers:
+            raise ValueError("mlu multi_layer_block_kv_transfer: no KV layers given")
+        return layers
+
+    @staticmethod
+    def _host_rows(obj: Any, fmt: EngineKVFormat, layers: list, chunk: int, index: int) -> Any:
+        """The chunk viewed as [2, NL, T, W] (K/V formats) or [NL, T, W] (MLA)."""
+        nl = len(layers)
+        t = layers[0]
+        width = _width(t, fmt)
+        shape = (nl, chunk, width) if fmt == F.NL_X_NB_BS_HS else (2, nl, chunk, width)
+        if obj.numel() != _numel(shape) or obj.dtype.itemsize != t.dtype.itemsize:
+            raise ValueError(
+                f"lmcache object {index} has shape {tuple(obj.shape)} ({obj.dtype}); "
+                f"expected {shape} with {t.dtype.itemsize}-byte elements"
+            )
+        if obj.dtype != t.dtype:
+            obj = obj.view(t.dtype)
+        return obj.view(shape)
+
+    @staticmethod
+    def _gather_layer(t: Any, fmt: EngineKVFormat, idx: Any) -> Any:
+        """Device rows of the selected blocks: [2, nblk*BS, W] or [nblk*BS, W]."""
+        if fmt == F.NL_X_NB_BS_HS:
+            return t.index_select(0, idx).reshape(-1, t.shape[2])
+        g = t.index_select(1, idx)  # [2, nblk, ...]
+        if fmt == F.NL_X_TWO_NB_NH_BS_HS:  # HND -> token-major, head-major rows
+            g = g.permute(0, 1, 3, 2, 4)
+        return g.reshape(2, -1, _width(t, fmt))
+
+    def _store(self, layers: list, fmt: EngineKVFormat, idx: Any, host: Any, dev: Any) -> None:
+        import torch
+
+        rows = [self._gather_layer(t, fmt, idx) for t in layers]
+        src = torch.stack(rows, dim=0 if fmt == F.NL_X_NB_BS_HS else 1)
+        if host.is_contiguous():
+            host.copy_(src, non_blocking=True)
+            return
+        # Some torch_mlu versions return wrong data from an asynchronous strided D2H copy
+        # even after synchronization: copy blocking, then wait on the queue.
+        host.copy_(src, non_blocking=False)
+        self._wait_queue(dev)
+
+    @staticmethod
+    def _wait_queue(dev: Any) -> None:
+        import torch
+
+        mlu = getattr(torch, "mlu", None)
+        if mlu is None:  # CPU-only transfer matrix without torch_mlu: nothing is queued
+            return
+        stream = mlu.current_stream(dev) if dev.type == "mlu" else mlu.current_stream()
+        stream.synchronize()
+
+    @staticmethod
+    def _load(layers: list, fmt: EngineKVFormat, idx: Any, host: Any) -> None:
+        nblk = int(idx.numel())
+        for layer, t in enumerate(layers):
+            if fmt == F.NL_X_NB_BS_HS:
+                src = host[layer].to(t.device, non_blocking=True).view(nblk, t.shape[1], t.shape[2])
+                t.index_copy_(0, idx, src)
+                continue
+            rows = host[:, layer].to(t.device, non_blocking=True)
+            if fmt == F.NL_X_TWO_NB_NH_BS_HS:
+                nh, bs, hs = t.shape[2], t.shape[3], t.shape[4]
+                src = rows.reshape(2, nblk, bs, nh, hs).permute(0, 1, 3, 2, 4)
+            else:
+                src = rows.reshape(2, nblk, t.shape[2], t.shape[3], t.shape[4])
+            t.index_copy_(1, idx, src)
+
+
+_BS_AXIS = {F.NL_X_TWO_NB_BS_NH_HS: 2, F.NL_X_TWO_NB_NH_BS_HS: 3, F.NL_X_NB_BS_HS: 1}
+
+
+def _width(t: Any, fmt: EngineKVFormat) -> int:
+    """Token-row width of the host chunk: NH*HS (HS for MLA)."""
+    if fmt == F.NL_X_NB_BS_HS:
+        return int(t.shape[2])
+    if fmt == F.NL_X_TWO_NB_NH_BS_HS:
+        return int(t.shape[2] * t.shape[4])
+    return int(t.shape[3] * t.shape[4])
+
+
+def _numel(shape: tuple) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n

@@ -1,0 +1,238 @@
+"""``MusaDeviceOps``: method overrides over the torch baseline (no native module).
+
+Overrides exactly ``tensor_from_ptr``, ``lmcache_memcpy_async``,
+``record_completion_on_stream``, ``record_event_on_stream`` and
+``multi_layer_block_kv_transfer`` (platform.md §8.4). Fallbacks call
+``lmcache.v1.platform.torch_ops`` directly.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from typing import Any, ClassVar
+
+from lmcache.utils import init_logger
+from lmcache.v1.platform import torch_ops
+from lmcache.v1.platform.base.device_ops import DeviceOps
+from lmcache.v1.platform.cuda_family.device_ops import host_pieces
+from lmcache.v1.platform.ops_types import EngineKVFormat, TransferDirection, to_engine_kv_format
+
+logger = init_logger(__name__)
+
+NATIVE_KV_TRANSFER_ENV_VAR = "LMCACHE_MUSA_NATIVE_KV_TRANSFER"
+# The optional vendor kernel module and the ABI version of its LMCache entry point:
+#   musa_aiter.LMCACHE_KV_TRANSFER_ABI == 1
+#   musa_aiter.lmcache_multi_layer_block_kv_transfer(paged_kv, objects, block_ids,
+#       direction, engine_kv_format, lmcache_chunk_size, skip_prefix_n_blocks) -> None
+# (paged_kv: list of MUSA tensors as the baseline takes them; block_ids: int64 tensor on
+#  the device; direction/format as ints).
+AITER_MODULE = "musa_aiter"
+AITER_ABI = 1
+
+SUPPORTED_FORMATS = (
+    EngineKVFormat.NL_X_TWO_NB_BS_NH_HS,  # 1
+    EngineKVFormat.NL_X_NB_BS_HS,  # 3
+    EngineKVFormat.TWO_X_NL_X_NB_BS_NH_HS,  # 9
+)
+_ELEMENT_DTYPES = {1: "uint8", 2: "float16", 4: "float32"}
+
+
+def _is_pointer_tensor(paged: Any) -> bool:
+    import torch
+
+    return (
+        isinstance(paged, torch.Tensor)
+        and paged.dim() == 1
+        and paged.dtype in (torch.int64, torch.uint64)
+    )
+
+
+class MusaDeviceOps(DeviceOps):
+    device_type: ClassVar[str] = "musa"
+    kv_transfer_operands: ClassVar[str | None] = "tensor"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._aiter_warned = False
+
+    # ---- raw pointers ----------------------------------------------------------------
+    def tensor_from_ptr(self, ptr, shape, dtype, device=None):
+        """Non-owning view of ``ptr`` on ``device`` (default: the current MUSA device)."""
+        import torch
+
+        if not ptr:
+            raise ValueError("tensor_from_ptr: ptr must be a non-zero device address")
+        dev = torch.device(device) if device is not None else self._current_device()
+        shape = tuple(int(s) for s in shape)
+        numel = 1
+        for s in shape:
+            numel *= s
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        storage = torch._C._construct_storage_from_data_pointer(int(ptr), dev, nbytes)
+        return torch.empty(0, dtype=dtype, device=dev).set_(storage, 0, shape)
+
+    def _current_device(self) -> Any:
+        import torch
+
+        return torch.device("musa", torch.musa.current_device())
+
+    def lmcache_memcpy_async(
+        self, dest, src, nbytes, direction, host_buffer_offset, host_buffer_alignments
+    ):
+        if not (isinstance(dest, int) and isinstance(src, int)):
+            return torch_ops.lmcache_memcpy_async(
+                dest, src, nbytes, direction, host_buffer_offset, host_buffer_alignments
+            )
+        import torch
+
+        pieces = host_pieces(host_buffer_offset, int(nbytes), host_buffer_alignments)
+        d = TransferDirection(int(direction))
+        host, dev_ptr = (src, dest) if d == TransferDirection.H2D else (dest, src)
+        device = self._current_device()
+        # Stream-ordered: copy_ runs on the current stream; each piece stays inside one
+        # pin registration of the host allocator.
+        for off, length in pieces:
+            host_view = torch_ops.host_tensor_from_ptr(host + off, (length,), torch.uint8)
+            dev_view = self.tensor_from_ptr(dev_ptr + off, (length,), torch.uint8, device)
+            if d == TransferDirection.H2D:
+                dev_view.copy_(host_view, non_blocking=True)
+            else:
+                host_view.copy_(dev_view, non_blocking=True)
+
+    # ---- stream-ordered recorders ------------------------------------------------------
+    def _wait_stream(self, handle: int) -> None:
+        import torch
+
+        musa = torch.musa
+        stream = musa.ExternalStream(int(handle)) if handle else musa.current_stream()
+        stream.synchronize()
+
+    def record_completion_on_stream(self, cuda_stream_ptr, kind, payload):
+        self._wait_stream(cuda_stream_ptr)
+        return torch_ops.record_completion_on_stream(0, kind, payload)
+
+    def record_event_on_stream(
+        self, cuda_stream_ptr, event_type_name, session_id, str_metadata, int_metadata
+    ):
+        self._wait_stream(cuda_stream_ptr)
+        return torch_ops.record_event_on_stream(
+            0, event_type_name, session_id, str_metadata, int_metadata
+        )
+
+    # ---- block transfer ------------------------------------------------------------------
+    def multi_layer_block_kv_transfer(
+        self,
+        paged_buffer_ptrs_tensor,
+        lmcache_objects_ptrs,
+        block_ids,
+        device,
+        direction,
+        shape_desc,
+        lmcache_chunk_size,
+        engine_kv_format,
+        skip_prefix_n_blocks,
+    ):
+        fmt = to_engine_kv_format(engine_kv_format)
+        if fmt not in SUPPORTED_FORMATS:
+            raise ValueError(
+                f"MUSA multi_layer_block_kv_transfer does not support engine_kv_format "
+                f"{fmt.name} ({int(fmt)}); supported: "
+                + ", ".join(f"{f.name} ({int(f)})" for f in SUPPORTED_FORMATS)
+            )
+        paged = paged_buffer_ptrs_tensor
+        if _is_pointer_tensor(paged):
+            paged = self._rebuild_paged(paged, fmt, shape_desc, lmcache_objects_ptrs, device)
+        if os.environ.get(NATIVE_KV_TRANSFER_ENV_VAR, "").strip() == "1" and self._try_aiter(
+            paged,
+            lmcache_objects_ptrs,
+            block_ids,
+            device,
+            direction,
+            lmcache_chunk_size,
+            fmt,
+            skip_prefix_n_blocks,
+        ):
+            return None
+        return torch_ops.multi_layer_block_kv_transfer(
+            paged,
+            lmcache_objects_ptrs,
+            block_ids,
+            device,
+            direction,
+            shape_desc,
+            lmcache_chunk_size,
+            fmt,
+            skip_prefix_n_blocks,
+        )
+
+    def _rebuild_paged(self, ptrs, fmt, sd, objects, device) -> list:
+        """Device addresses -> MUSA tensors of the format's per-pointer shape."""
+        import torch
+
+        if int(getattr(sd, "block_stride_elems", 0) or 0):
+            raise NotImplementedError(
+                "MUSA pointer operands need tight blocks (shape_desc.block_stride_elems == 0)"
+            )
+        dtype = sd.dtype
+        if dtype is None:
+            tensors = [o for o in objects if isinstance(o, torch.Tensor)]
+            if tensors:
+                dtype = tensors[0].dtype
+            elif int(sd.element_size or 0) in _ELEMENT_DTYPES:
+                dtype = getattr(torch, _ELEMENT_DTYPES[int(sd.element_size)])
+            else:
+                raise ValueError(
+                    "cannot infer the KV dtype: set shape_desc.dtype or shape_desc.element_size"
+                )
+        nb, bs, nh, hs = int(sd.nb), int(sd.bs), int(sd.nh), int(sd.hs)
+        if fmt == EngineKVFormat.NL_X_TWO_NB_BS_NH_HS:
+            shape: tuple[int, ...] = (2, nb, bs, nh, hs)
+        elif fmt == EngineKVFormat.NL_X_NB_BS_HS:
+            shape = (nb, bs, hs)
+        else:  # kv_list #9: 2*NL pointers, K layers then V layers
+            shape = (nb, bs, nh, hs)
+        return [self.tensor_from_ptr(int(p), shape, dtype, device) for p in ptrs.tolist()]
+
+    def _try_aiter(self, paged, objects, block_ids, device, direction, chunk, fmt, skip) -> bool:
+        """The optional musa_aiter kernel; False (after one WARNING) means use torch."""
+        import torch
+
+        try:
+            module = importlib.import_module(AITER_MODULE)
+        except ImportError as exc:
+            self._warn_aiter(f"{AITER_MODULE} is not importable ({exc})")
+            return False
+        if getattr(module, "LMCACHE_KV_TRANSFER_ABI", None) != AITER_ABI:
+            self._warn_aiter(
+                f"{AITER_MODULE} offers LMCache KV-transfer ABI "
+                f"{getattr(module, 'LMCACHE_KV_TRANSFER_ABI', None)!r}, need {AITER_ABI}"
+            )
+            return False
+        fn = getattr(module, "lmcache_multi_layer_block_kv_transfer", None)
+        if fn is None:
+            self._warn_aiter(f"{AITER_MODULE} has no lmcache_multi_layer_block_kv_transfer")
+            return False
+        if isinstance(block_ids, torch.Tensor):
+            ids = block_ids.reshape(-1).to(dtype=torch.int64)
+        else:
+            ids = torch.as_tensor(list(block_ids), dtype=torch.int64)
+        first = paged[0] if isinstance(paged, (list, tuple)) else paged
+        if isinstance(first, (list, tuple)):
+            first = first[0]
+        ids = ids.to(first.device)
+        try:
+            fn(paged, list(objects), ids, int(direction), int(fmt), int(chunk), int(skip))
+        except Exception as exc:
+            self._warn_aiter(f"{AITER_MODULE} transfer failed ({exc!r})")
+            return False
+        return True
+
+    def _warn_aiter(self, reason: str) -> None:
+        if not self._aiter_warned:
+            self._aiter_warned = True
+            logger.warning(
+                "%s=1 but the native MUSA KV transfer is unusable: %s; using the torch path",
+                NATIVE_KV_TRANSFER_ENV_VAR,
+                reason,
+            )

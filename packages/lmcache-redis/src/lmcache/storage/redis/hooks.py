@@ -1,0 +1,48 @@
+"""Entry point of the ``lmcache.l2_adapters`` group: the ``resp`` type and alias ``redis``.
+
+Cheap to import: the compiled client loads inside the factory.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lmcache.storage.redis.config import RESPL2AdapterConfig
+from lmcache.v1.distributed.l2_adapters.hookspecs import L2AdapterTypeSpec, hookimpl
+
+
+def create_resp_adapter(config: RESPL2AdapterConfig, l1_memory_desc: Any = None) -> Any:
+    try:
+        from lmcache.storage.redis._native import LMCacheRedisClient
+    except ImportError as exc:
+        raise ImportError(
+            f"the resp adapter needs the compiled client of lmcache-redis ({exc}); "
+            "reinstall it with `pip install lmcache-redis`"
+        ) from exc
+    from lmcache.v1.distributed.l2_adapters.native_connector_l2_adapter import (
+        NativeConnectorL2Adapter,
+    )
+
+    client = LMCacheRedisClient(
+        config.host,
+        config.port,
+        config.num_workers,
+        config.username,
+        config.password,
+        config.db,
+        config.pipeline_depth,
+        config.socket_timeout_s,
+    )
+    return NativeConnectorL2Adapter(
+        client,
+        max_capacity_gb=config.max_capacity_gb,
+        type_name="resp",
+        extra_status={"host": config.host, "port": config.port, "db": config.db},
+    )
+
+
+@hookimpl
+def lmcache_l2_adapter_types() -> list[L2AdapterTypeSpec]:
+    return [
+        L2AdapterTypeSpec("resp", RESPL2AdapterConfig, create_resp_adapter, aliases=("redis",))
+    ]

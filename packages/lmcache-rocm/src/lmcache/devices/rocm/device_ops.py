@@ -1,0 +1,14 @@
+"""``RocmDeviceOps``: the CUDA-family ops with the HIP build of the same kernels."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from lmcache.v1.platform.cuda_family.device_ops import CudaFamilyDeviceOps
+
+
+class RocmDeviceOps(CudaFamilyDeviceOps):
+    # Built only with LMCACHE_BUILD_HIP=1 (hipcc); otherwise the torch baseline answers.
+    native_module_name: ClassVar[str | None] = "lmcache.devices.rocm.cuda_ops"
+    runtime_library_names: ClassVar[tuple[str, ...]] = ("libamdhip64.so", "libamdhip64.so.6")
+    runtime_memcpy_symbol: ClassVar[str] = "hipMemcpy"

@@ -1,0 +1,145 @@
+"""Shared fixtures for every test directory.
+
+* ``free_port()`` / ``free_tcp_port`` fixture: a TCP port nobody listens on right now.
+* ``lmcache_server`` fixture: a factory that starts a real ``lmcache server`` subprocess
+  on free ports and returns a handle once the server answers; every server it started is
+  stopped (SIGTERM, then SIGKILL) at teardown::
+
+      def test_x(lmcache_server):
+          srv = lmcache_server("--l1-size-gb", "0.5", env={"LMCACHE_LOG_LEVEL": "DEBUG"})
+          srv.rpc_url      # "tcp://127.0.0.1:<port>"
+          srv.http_url     # "http://127.0.0.1:<port>"
+          srv.log()        # everything the server printed so far
+          srv.stop()       # optional; returns the exit code
+
+  Defaults: ``--l1-size-gb 0.25`` and ``--worker-reap-timeout-seconds 0`` unless the test
+  passes its own value of those flags or ``test_defaults=False`` (then only the ports and
+  ``--host 127.0.0.1`` are added).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+
+import pytest
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def free_tcp_port() -> int:
+    return free_port()
+
+
+class LMCacheServerProcess:
+    """A running ``lmcache server`` subprocess."""
+
+    def __init__(self, args: list[str], env: dict[str, str] | None, port: int, http_port: int):
+        self.port = port
+        self.http_port = http_port
+        self.rpc_url = f"tcp://127.0.0.1:{port}"
+        self.http_url = f"http://127.0.0.1:{http_port}"
+        self.args = args
+        self._log = tempfile.NamedTemporaryFile(prefix="lmcache-server-", suffix=".log", delete=False)
+        full_env = dict(os.environ)
+        full_env.setdefault("LMCACHE_TRACK_USAGE", "false")
+        full_env.update(env or {})
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "lmcache.cli.main", "server", *args],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=full_env,
+        )
+
+    def log(self) -> str:
+        with open(self._log.name, errors="replace") as f:
+            return f.read()
+
+    def wait_ready(self, timeout: float = 60.0) -> None:
+        import httpx
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"lmcache server exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                r = httpx.get(self.http_url + "/healthcheck", timeout=1.0)
+                if r.status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError(f"lmcache server did not become ready in {timeout} s:\n{self.log()}")
+
+    def stop(self, timeout: float = 15.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        return self.proc.returncode
+
+    def cleanup(self) -> None:
+        self.stop()
+        try:
+            os.unlink(self._log.name)
+        except OSError:
+            pass
+
+
+def _has_flag(args: list[str], flag: str) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in args)
+
+
+def _server_factory():
+    started: list[LMCacheServerProcess] = []
+
+    def start(
+        *args: str,
+        env: dict[str, str] | None = None,
+        ready_timeout: float = 60.0,
+        test_defaults: bool = True,
+    ) -> LMCacheServerProcess:
+        argv = list(args)
+        if test_defaults and not _has_flag(argv, "--l1-size-gb") and not _has_flag(argv, "--l1-manager"):
+            argv += ["--l1-size-gb", "0.25"]
+        if test_defaults and not _has_flag(argv, "--worker-reap-timeout-seconds"):
+            argv += ["--worker-reap-timeout-seconds", "0"]
+        port, http_port = free_port(), free_port()
+        argv += ["--host", "127.0.0.1", "--port", str(port), "--http-port", str(http_port)]
+        srv = LMCacheServerProcess(argv, env, port, http_port)
+        started.append(srv)
+        srv.wait_ready(ready_timeout)
+        return srv
+
+    return start, started
+
+
+@pytest.fixture
+def lmcache_server() -> Iterator:
+    start, started = _server_factory()
+    yield start
+    for srv in started:
+        srv.cleanup()
+
+
+@pytest.fixture(scope="module")
+def lmcache_server_module() -> Iterator:
+    """Same factory, but the servers live for the whole test module (faster suites)."""
+    start, started = _server_factory()
+    yield start
+    for srv in started:
+        srv.cleanup()

@@ -1,0 +1,428 @@
+"""The connector driven in vLLM's call order against a real ``lmcache server`` process
+(connector spec 9.1 and the conformance checklist of section 10)."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+import torch
+from lmc_vllm_harness import Engine
+
+CHUNK = 256
+
+
+def tokens(n: int, seed: int = 1) -> list[int]:
+    return [(seed * 7919 + i * 31) % 50000 + 1 for i in range(n)]
+
+
+def l1_locks(srv) -> tuple[int, int]:
+    status = httpx.get(srv.http_url + "/status", timeout=5).json()
+    sm = status["storage_manager"]
+    l1 = sm.get("l1") or sm.get("l1_manager") or sm
+    if isinstance(l1, list):
+        l1 = l1[0]
+    return int(l1.get("read_locked_count", 0)), int(l1.get("write_locked_count", 0))
+
+
+def assert_no_locks(srv, timeout: float = 5.0) -> None:
+    """No lookup lock outlives its request (checked through the server's /status)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        locks = l1_locks(srv)
+        if locks == (0, 0) or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert locks == (0, 0), f"locks left on the server: read/write = {locks}"
+
+
+@pytest.fixture
+def server(lmcache_server):
+    return lmcache_server()
+
+
+@pytest.fixture
+def engines(server):
+    made: list[Engine] = []
+
+    def make(**kw) -> Engine:
+        kw.setdefault("port", server.port)
+        e = Engine(**kw)
+        made.append(e)
+        return e
+
+    yield make
+    for e in made:
+        e.close()
+
+
+def test_cold_store_then_warm_hit_is_byte_identical(server, engines):
+    prompt = tokens(600)
+    cold = engines()
+    cold.add_request("a", prompt)
+    cold.run()
+    assert cold.match_results["a"][-1] == (0, False)
+    assert cold.finished_results["a"] is True  # a STORE was emitted: vLLM keeps the blocks
+    stores = [r for m in cold.metas for r in m.requests if r.direction == "STORE"]
+    assert [(r.op.start, r.op.end) for r in stores] == [(0, 512)]
+    assert_no_locks(server)
+
+    warm = engines()
+    warm.add_request("b", prompt)
+    warm.run()
+    assert warm.match_results["b"][0] == (None, True)  # the first call only sends the lookup
+    assert warm.match_results["b"][-1] == (512, True)
+    assert warm.loaded_ok["b"] == 512  # every loaded token byte-identical on every rank
+    assert warm.finished_results["b"] is False  # nothing new to store
+    assert_no_locks(server)
+
+
+def ops_of(engine: Engine, direction: str, rid: str | None = None) -> list:
+    return [
+        r
+        for m in engine.metas
+        for r in m.requests
+        if r.direction == direction and (rid is None or r.request_id == rid)
+    ]
+
+
+def store_prompt(engines, prompt: list[int], **kw) -> None:
+    cold = engines(**kw)
+    cold.add_request("seed", prompt)
+    cold.run()
+    assert cold.finished_results["seed"] is True
+
+
+def test_full_prompt_hit_reports_len_minus_one(server, engines):
+    prompt = tokens(512, seed=2)
+    store_prompt(engines, prompt)
+    warm = engines()
+    warm.add_request("full", prompt)
+    warm.run()
+    assert warm.match_results["full"][-1] == (496, True)  # vLLM must compute the last token
+    assert warm.loaded_ok["full"] == 496
+    assert_no_locks(server)
+
+
+def test_partial_prefix_hit(server, engines):
+    a = tokens(600, seed=3)
+    store_prompt(engines, a)
+    b = a[:300] + tokens(400, seed=4)
+    warm = engines()
+    warm.add_request("b", b)
+    warm.run()
+    assert warm.match_results["b"][-1] == (256, True)  # only the first chunk is shared
+    assert warm.loaded_ok["b"] == 256
+    assert [(r.op.start, r.op.end) for r in ops_of(warm, "STORE", "b")] == [(256, 512)]
+    assert_no_locks(server)
+
+
+def test_request_shorter_than_a_chunk(server, engines):
+    e = engines()
+    e.add_request("short", tokens(100, seed=5))
+    e.run()
+    assert e.match_results["short"] == [(0, False)]  # no lookup needed, answered at once
+    assert e.finished_results["short"] is False
+    assert not ops_of(e, "STORE")
+    assert_no_locks(server)
+
+
+@pytest.mark.parametrize("apc,skip", [(256, 0), (304, 48)])
+def test_apc_overlap_retrieves_only_past_vllm_prefix_cache(server, engines, apc, skip):
+    prompt = tokens(600, seed=6)
+    store_prompt(engines, prompt)
+    warm = engines()
+    warm.apc_marker = 0.5  # the prefix-cache blocks hold recognisably different bytes
+    warm.add_request("r", prompt, apc_tokens=apc)
+    warm.run()
+    assert warm.match_results["r"][-1] == (512 - apc, True)
+    (op,) = ops_of(warm, "RETRIEVE", "r")
+    assert (op.op.start, op.op.end, op.op.skip_first_n_tokens) == (256, 512, skip)
+    assert warm.loaded_ok["r"] == 512
+    # the first skip_first_n_tokens tokens of the retrieved range were not written
+    from lmc_vllm_harness import read_kv
+
+    req = warm.requests["r"]
+    got = read_kv(warm.model, warm.caches[0], req.block_ids, warm.bs, 0, apc)
+    for layer, g in enumerate(got):
+        assert torch.equal(g, warm.model.kv(prompt, 0, apc, layer, 0) + 0.5)
+    assert_no_locks(server)
+
+
+def test_repeat_in_the_same_engine_hits(server, engines):
+    prompt = tokens(520, seed=7)
+    e = engines()
+    e.add_request("one", prompt)
+    e.run()
+    e.add_request("two", prompt)
+    e.run()
+    assert e.match_results["two"][-1] == (512, True)
+    assert e.loaded_ok["two"] == 512
+    assert_no_locks(server)
+
+
+def test_preemption_flushes_and_the_request_resumes(server, engines):
+    prompt = tokens(530, seed=8)
+    e = engines()
+    e.add_request("p", prompt, max_new_tokens=6)
+    e.step()
+    e.step()
+    e.preempt("p")
+    e.step()
+    assert e.metas[-1].need_flush_before_forward is True
+    e.run()
+    assert e.requests["p"].status == "finished"
+    # after the preemption the request looked up again and loaded what it had stored
+    assert e.match_results["p"][-1] == (512, True)
+    assert e.loaded_ok["p"] == 512
+    assert_no_locks(server)
+
+
+def test_abort_while_loading_frees_locks(server, engines):
+    prompt = tokens(600, seed=9)
+    store_prompt(engines, prompt)
+    warm = engines()
+    warm.add_request("x", prompt)
+    while warm.requests["x"].status != "loading":
+        warm.step()
+    assert warm.abort("x") is False
+    warm.run()
+    assert_no_locks(server)
+
+
+def test_abort_before_the_lookup_result_frees_locks(server, engines):
+    prompt = tokens(600, seed=10)
+    store_prompt(engines, prompt)
+    warm = engines()
+    warm.add_request("y", prompt)
+    warm.step()  # sends the lookup, returns None
+    assert warm.match_results["y"] == [(None, True)]
+    warm.abort("y")
+    warm.run()
+    assert_no_locks(server)
+
+
+def test_eager_prefetch_sends_the_lookup_on_new_request(server, engines):
+    prompt = tokens(600, seed=11)
+    store_prompt(engines, prompt)
+    warm = engines(extra={"lmcache.mp.eager_prefetch": "true"})
+    warm.add_request("e", prompt)
+    time.sleep(0.3)
+    warm.run()
+    assert warm.match_results["e"][-1] == (512, True)
+    assert warm.loaded_ok["e"] == 512
+    assert_no_locks(server)
+
+
+@pytest.mark.parametrize("save_decode", [False, True])
+def test_decode_chunks_are_stored_only_with_save_decode_cache(server, engines, save_decode):
+    e = engines(extra={"lmcache.mp.save_decode_cache": str(save_decode).lower()})
+    e.add_request("d", tokens(500, seed=12 + save_decode), max_new_tokens=20)
+    e.run()
+    ranges = [(r.op.start, r.op.end) for r in ops_of(e, "STORE", "d")]
+    assert ranges == ([(0, 256), (256, 512)] if save_decode else [(0, 256)])
+    assert_no_locks(server)
+
+
+def test_blocking_lookup_status_mode(server, engines):
+    prompt = tokens(600, seed=14)
+    store_prompt(engines, prompt)
+    warm = engines(extra={"lmcache.mp.nonblocking_lookup_status": "false"})
+    warm.add_request("w", prompt)
+    warm.run()
+    assert warm.match_results["w"][-1] == (512, True)
+    assert warm.loaded_ok["w"] == 512
+    assert_no_locks(server)
+
+
+def l1_objects(srv) -> int:
+    status = httpx.get(srv.http_url + "/status", timeout=5).json()
+    sm = status["storage_manager"]
+    l1 = sm.get("l1") or sm.get("l1_manager") or sm
+    if isinstance(l1, list):
+        l1 = l1[0]
+    return int(l1["total_object_count"])
+
+
+@pytest.mark.parametrize("mla", [False, True])
+def test_tp2_and_mla_tp2(server, engines, mla):
+    prompt = tokens(600, seed=20 + mla)
+    store_prompt(engines, prompt, tp=2, mla=mla)
+    # MLA: only rank 0 writes one replicated shard; otherwise each rank stores its own shard
+    assert l1_objects(server) == (2 if mla else 4)
+    warm = engines(tp=2, mla=mla)
+    warm.add_request("t", prompt)
+    warm.run()
+    assert warm.match_results["t"][-1] == (512, True)
+    assert warm.loaded_ok["t"] == 512  # both ranks loaded their (or the shared) KV
+    assert_no_locks(server)  # MLA: 2 read shares per key, one consumed by each rank
+
+
+def test_lmcache_driven_mode_on_cpu_shm(server, engines):
+    prompt = tokens(600, seed=30)
+    extra = {"lmcache.mp.mp_transfer_mode": "lmcache_driven"}
+    store_prompt(engines, prompt, extra=extra)
+    warm = engines(extra=extra)
+    assert warm.workers[0].worker_adapter.ctx.mode == "lmcache_driven"
+    warm.add_request("l", prompt)
+    warm.run()
+    assert warm.loaded_ok["l"] == 512
+    assert_no_locks(server)
+
+
+def test_lookup_before_any_worker_registers(server, engines):
+    prompt = tokens(600, seed=31)
+    store_prompt(engines, prompt)
+    e = engines(register=False, model_name="harness/other-model")
+    e.add_request("n", prompt)
+    for _ in range(100):
+        e.step()
+        if e.match_results["n"][-1][0] is not None:
+            break
+        time.sleep(0.02)
+    assert e.match_results["n"][-1] == (0, False)
+    assert_no_locks(server)
+
+
+def test_reset_cache_clears_the_server(server, engines):
+    store_prompt(engines, tokens(600, seed=32))
+    assert l1_objects(server) == 2
+    e = engines()
+    assert e.scheduler.reset_cache() is True
+    assert l1_objects(server) == 0
+
+
+def test_engine_driven_rejects_two_kv_groups(server, engines):
+    from lmc_vllm_harness import KVCacheGroupSpec, KVCacheSpec
+
+    e = engines(register=False, extra={"lmcache.mp.mp_transfer_mode": "engine_driven"})
+    w = e.workers[0]
+    names = list(e.caches[0])
+    w.worker_adapter.kv_cache_config.kv_cache_groups = [
+        KVCacheGroupSpec(names[:1], KVCacheSpec(16)),
+        KVCacheGroupSpec(names[1:], KVCacheSpec(16)),
+    ]
+    with pytest.raises(
+        ValueError, match="engine_driven transfer supports one KV cache group, got 2"
+    ):
+        w.register_kv_caches(e.caches[0])
+
+
+def test_chunk_size_must_be_a_multiple_of_the_block_size(server):
+    with pytest.raises(
+        ValueError, match=r"chunk size 256 is not a multiple of the vLLM block size 24"
+    ):
+        Engine(port=server.port, block_size=24)
+
+
+def test_store_failure_when_l1_is_full_does_not_break_the_request(lmcache_server, engines):
+    srv = lmcache_server("--l1-size-gb", "0.0001")  # ~100 KiB: smaller than one request
+    e = engines(port=srv.port, num_layers=8)
+    e.add_request("big", tokens(1100, seed=33))
+    e.run()
+    assert e.finished_results["big"] is True
+    assert not e.holding  # reported in finished_sending although the server kept nothing
+    assert_no_locks(srv)
+
+
+def test_other_connector_methods(server, engines):
+    e = engines()
+    sched, worker = e.scheduler, e.workers[0]
+    assert list(sched.take_events()) == []
+    sched.bind_gpu_block_pool("pool")
+    assert sched.scheduler_adapter.gpu_block_pool == "pool"
+    assert type(sched).build_kv_connector_stats() is None
+    assert type(sched).build_prom_metrics() is None
+    assert worker.get_kv_connector_kv_cache_events() is None
+    assert worker.get_block_ids_with_load_errors() == set()
+    assert worker.get_transfer_results(set()) == {
+        "finished_sending": set(),
+        "finished_recving": set(),
+        "failed_recving": set(),
+    }
+    e.add_request("m", tokens(300, seed=34))
+    e.run()
+    req = e.requests["m"]
+    # request_finished_all_groups (SupportsHMA) answers like request_finished for unknown ids
+    assert sched.request_finished_all_groups(req, ([1, 2],)) == (False, None)
+    with pytest.raises(RuntimeError, match="SCHEDULER role"):
+        sched.start_load_kv(None)
+    with pytest.raises(RuntimeError, match="WORKER role"):
+        worker.get_num_new_matched_tokens(req, 0)
+
+
+def wait_until(cond, timeout: float = 30.0, step=None) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        if step is not None:
+            step()
+        time.sleep(0.05)
+    return cond()
+
+
+def test_server_restart_degrades_then_reregisters(lmcache_server, engines):
+    srv = lmcache_server()
+    extra = {"lmcache.mp.heartbeat_interval": "0.5", "lmcache.mp.mq_timeout": "5"}
+    e = engines(port=srv.port, extra=extra)
+    prompt = tokens(600, seed=40)
+    e.add_request("before", prompt)
+    e.run()
+    ids = [w.worker_adapter.instance_id for w in e.workers]
+
+    srv.stop()
+    e.add_request("down", prompt)
+    # while the server is down: a miss, without blocking the engine
+    assert wait_until(
+        lambda: e.match_results.get("down", [(None, True)])[-1][0] is not None, step=e.step
+    )
+    assert e.match_results["down"][-1] == (0, False)
+    e.run()  # the stores are dropped and still reported, so vLLM frees the blocks
+    assert e.requests["down"].status == "finished" and not e.holding
+
+    again = type(srv)(srv.args, None, srv.port, srv.http_port)  # same ports, empty L1
+    try:
+        again.wait_ready()
+        adapters = [w.worker_adapter for w in e.workers] + [e.scheduler.scheduler_adapter]
+        assert wait_until(lambda: all(a.healthy for a in adapters), timeout=30)
+        status = httpx.get(again.http_url + "/status", timeout=5).json()
+        registered = set(status.get("registered_non_cuda_instance_ids") or []) | set(
+            status.get("registered_gpu_ids") or []
+        )
+        assert set(ids) <= {int(i) for i in registered}  # the same instance_id re-registered
+        e.add_request("after1", prompt)
+        e.run()
+        assert e.match_results["after1"][-1] == (0, False)  # the restarted L1 is empty
+        e.add_request("after2", prompt)
+        e.run()
+        assert e.match_results["after2"][-1] == (512, True)
+        assert e.loaded_ok["after2"] == 512
+        assert_no_locks(again)
+    finally:
+        e.close()
+        again.cleanup()
+
+
+def test_lookup_timeout_reports_a_miss_and_frees_late_locks(lmcache_server, engines):
+    import os
+    import signal
+
+    srv = lmcache_server()
+    prompt = tokens(600, seed=41)
+    store_prompt(engines, prompt, port=srv.port)
+    extra = {"lmcache.mp.lookup_timeout": "1", "lmcache.mp.heartbeat_interval": "120"}
+    e = engines(port=srv.port, extra=extra)
+    e.add_request("late", prompt)
+    os.kill(srv.proc.pid, signal.SIGSTOP)  # a stalled server
+    try:
+        assert wait_until(
+            lambda: e.match_results.get("late", [(None, True)])[-1][0] is not None, step=e.step
+        )
+    finally:
+        os.kill(srv.proc.pid, signal.SIGCONT)
+    assert e.match_results["late"][-1] == (0, False)
+    e.run()
+    assert e.requests["late"].status == "finished"
+    assert_no_locks(srv)

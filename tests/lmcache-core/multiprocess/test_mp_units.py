@@ -1,0 +1,163 @@
+"""Unit checks of the MP protocol pieces: hashing, kv_rank, fan-out, payload codec (protocol.md 15.1-3, 8.4)."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import re
+from pathlib import Path
+
+import msgspec
+import pytest
+import torch
+
+from lmcache.v1.multiprocess import payload_codec as codec
+from lmcache.v1.multiprocess import protocol as P
+from lmcache.v1.multiprocess.engine import fan_out_keys
+from lmcache.v1.multiprocess.token_hasher import NONE_HASH, chunk_hashes, compute_kv_rank
+
+
+def test_blake3_vectors_and_partial_chunk():
+    assert NONE_HASH.hex() == "7e3eff9ef7613a50340eb12677ee03b83ac759fcba9bb32705f07248d56d473b"
+    h = chunk_hashes(list(range(1, 513)), 256)
+    assert [x.hex() for x in h] == [
+        "3c8582932142a7d831a2a6150bbd9cc64dc3a55070cae822a3d527ff5b8dbe6e",
+        "0b709854b9759133e1c54f017a552f33944b3316376c97e3d9798eba1ce64c81",
+    ]
+    assert len(chunk_hashes(list(range(300)), 256)) == 1
+    # cached prefix reuse gives the same chain
+    assert chunk_hashes(list(range(1, 513)), 256, prefix=h[:1]) == h
+
+
+def test_token_out_of_range_rejected():
+    with pytest.raises(ValueError, match="2\\^32"):
+        chunk_hashes([1, 2**32], 1)
+
+
+@pytest.mark.parametrize(
+    "ws,rank,expected", [(1, 0, 0x01000100), (2, 1, 0x02010201), (4, 2, 0x04020402), (8, 7, 0x08070807)]
+)
+def test_kv_rank(ws, rank, expected):
+    assert compute_kv_rank(ws, rank) == expected
+
+
+def _key(**kw):
+    base = dict(
+        model_name="m", world_size=4, worker_id=None, token_ids=list(range(1, 513)), start=0, end=512,
+        request_id="r", num_kv_readers=1,
+    )
+    base.update(kw)
+    return P.IPCCacheServerKey(**base)
+
+
+def test_world_size_256_rejected():
+    with pytest.raises(ValueError):
+        compute_kv_rank(256, 0)
+    with pytest.raises(P.RequestError, match="world_size"):
+        P.validate_key(_key(world_size=256), chunk_aligned=False, chunk_size=256)
+
+
+def test_fan_out():
+    hashes = chunk_hashes(list(range(1, 513)), 256)
+    rows = fan_out_keys(_key(worker_id=None), hashes, 0, 2)
+    assert sum(len(r) for r in rows) == 8
+    assert {k.kv_rank for r in rows for k in r} == {compute_kv_rank(4, r) for r in range(4)}
+    own = fan_out_keys(_key(worker_id=2), hashes, 0, 2)
+    assert len(own) == 1 and {k.kv_rank for k in own[0]} == {compute_kv_rank(4, 2)}
+
+
+def test_key_validation_messages():
+    with pytest.raises(P.RequestError, match="aligned"):
+        P.validate_key(_key(end=300, token_ids=list(range(300))), chunk_aligned=True, chunk_size=256)
+    with pytest.raises(P.RequestError, match="outside"):
+        P.validate_key(_key(end=600), chunk_aligned=False, chunk_size=256)
+    with pytest.raises(P.RequestError, match="cache_salt"):
+        P.validate_key(_key(cache_salt="a/b"), chunk_aligned=False, chunk_size=256)
+
+
+def test_struct_decoding_rules():
+    # unknown fields ignored, defaults filled, ints accepted as bools
+    raw = msgspec.msgpack.encode(
+        {"instance_id": 1, "model_name": "m", "world_size": 1, "block_size": 16, "num_layers": 2,
+         "hidden_dim_size": 8, "dtype_str": "float16", "use_mla": 1, "future_field": "x"}
+    )
+    payload = P.convert_param(P.Param("p", P.RegisterEngineDrivenContextPayload), P.decode(raw))
+    assert payload.use_mla is True and payload.num_physical_slots is None
+    assert P.lookup_op(21).name == "get_chunk_size" and P.lookup_op("get_chunk_size").legacy_id == 21
+    assert P.lookup_op(11) is None and P.lookup_op(999) is None
+
+
+def test_remote_error_ext_roundtrip():
+    err = P.decode(P.encode(P.RemoteError("UNKNOWN_OP", "nope", False)))
+    assert isinstance(err, P.RemoteError) and err.code == "UNKNOWN_OP" and err.message == "nope"
+
+
+@pytest.mark.parametrize("protocol", [4, 5])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.uint8])
+def test_restricted_unpickler_accepts_tensor_lists(protocol, dtype):
+    chunks = [(torch.arange(24) % 7).to(dtype).reshape(2, 3, 4) for _ in range(2)]
+    out = codec.restricted_unpickle_tensors(
+        pickle.dumps(chunks, protocol=protocol), expected_count=2, expected_shape=(2, 3, 4), expected_dtype=dtype
+    )
+    assert all(torch.equal(a, b) for a, b in zip(out, chunks, strict=True))
+
+
+class _Evil:
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.path}",))
+
+
+def test_restricted_unpickler_rejects_globals_without_running_them(tmp_path):
+    marker = tmp_path / "pwned"
+    with pytest.raises(codec.PayloadError) as exc:
+        codec.restricted_unpickle_tensors(pickle.dumps([_Evil(str(marker))]))
+    assert exc.value.reason == "pickle_global" and "system" in str(exc.value)
+    assert not marker.exists()
+    with pytest.raises(codec.PayloadError, match="_codecs.encode"):
+        codec.restricted_unpickle_tensors(pickle.dumps([torch.zeros(2)], protocol=2))
+
+
+def test_restricted_unpickler_rejects_wrong_count_shape_dtype_size():
+    data = pickle.dumps([torch.zeros(2, 3, dtype=torch.float16)])
+    for kw, reason in (
+        ({"expected_count": 2}, "pickle_count"),
+        ({"expected_shape": (3, 2)}, "pickle_shape"),
+        ({"expected_dtype": torch.bfloat16}, "pickle_dtype"),
+        ({"max_bytes": 10}, "oversized"),
+    ):
+        with pytest.raises(codec.PayloadError) as exc:
+            codec.restricted_unpickle_tensors(data, **kw)
+        assert exc.value.reason == reason
+    with pytest.raises(codec.PayloadError):
+        codec.restricted_unpickle_tensors(pickle.dumps([torch.zeros(2, requires_grad=True)]))
+
+
+def test_raw_v1_roundtrip_and_length_checks():
+    t = torch.arange(10, dtype=torch.float16)
+    data = codec.encode_raw_v1([t, None, b"xyz"])
+    assert data[:8] == b"LMCRAW01" and codec.detect_encoding(data) == "raw_v1"
+    parts = codec.decode_raw_v1(data, 3)
+    assert bytes(parts[0]) == t.numpy().tobytes() and len(parts[1]) == 0 and bytes(parts[2]) == b"xyz"
+    with pytest.raises(codec.PayloadError):
+        codec.decode_raw_v1(data, 2)
+    with pytest.raises(codec.PayloadError):
+        codec.decode_raw_v1(data[:-1], 3)
+    with pytest.raises(codec.PayloadError):
+        codec.detect_encoding(b"GARBAGE!")
+
+
+def test_no_module_unpickles_peer_bytes():
+    import lmcache.v1.multiprocess as mp
+
+    root = Path(mp.__file__).parent
+    bad = re.compile(r"pickle\.loads?\(|weights_only\s*=\s*False|Unpickler\(\s*[^)]*\)\.load\(")
+    offenders = []
+    for path in root.rglob("*.py"):
+        text = path.read_text()
+        for line in text.splitlines():
+            if bad.search(line) and "_RestrictedUnpickler" not in line:
+                offenders.append(f"{path.name}: {line.strip()}")
+    assert offenders == []
