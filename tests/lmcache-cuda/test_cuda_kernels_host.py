@@ -242,3 +242,91 @@ def test_nvcc_compiles_kernels_and_host_tests_pass(tmp_path):
     run = subprocess.run([str(exe)], capture_output=True, text=True)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "all host-side kernel checks passed" in run.stdout
+
+
+class _FakeKernels:
+    """Stands in for the compiled ``_C``: runs the kernel's address math on the host."""
+
+    MAX_OBJECTS_PER_LAUNCH = 4
+
+    def __init__(self, lib):
+        self.lib = lib
+        self.calls = []
+
+    def block_kv_transfer(self, *args):
+        self.calls.append(args)
+        paged, n_paged, objs, ids, n_ids, is32, direction, fmt, nl, nb, bs, nh, hs, elem = args[:14]
+        chunk, skip, stream = args[14:]
+        arr = (ctypes.c_int64 * len(objs))(*objs)
+        err = ctypes.create_string_buffer(512)
+        rc = self.lib.lmc_block_kv_transfer_host(
+            *[ctypes.c_int64(v) for v in (paged, n_paged)], arr, ctypes.c_int64(len(objs)),
+            ctypes.c_int64(ids), ctypes.c_int64(n_ids), ctypes.c_int(int(is32)),
+            ctypes.c_int(direction), ctypes.c_int(fmt), ctypes.c_int(nl),
+            *[ctypes.c_int64(v) for v in (nb, bs, nh, hs, elem, chunk, skip)], err,
+            ctypes.c_int64(512),
+        )  # fmt: skip
+        if rc:
+            raise ValueError(err.value.decode())
+
+
+@needs_sources
+@pytest.mark.parametrize("fmt", [1, 2, 3, 6, 9])
+def test_native_shim_passes_pointer_operands_to_the_kernel(host_lib, fmt):
+    """The Python side of the native ops (shared by cuda and rocm) marshals pointer
+    operands, block ids, element size and the current stream handle correctly."""
+    from lmcache.v1.platform.cuda_family.native_shim import make_native_ops
+    from lmcache.v1.platform.testing import install_fake_device
+
+    fake_c = _FakeKernels(host_lib)
+    transfer, _ = make_native_ops(fake_c)
+    dtype = torch.float16
+    operand, planes, geo = make_layers(fmt, dtype)
+    sd = _shape_desc(fmt, geo, dtype)
+    ids, skip, chunk = [5, 0, 3], 1, 2 * BS
+    want = _chunks(fmt, geo, 2, chunk, dtype)
+    torch_ops.multi_layer_block_kv_transfer(
+        operand, want, ids, "cpu", TransferDirection.D2H, sd, chunk, fmt, skip
+    )
+    got = _chunks(fmt, geo, 2, chunk, dtype)
+    ptrs = torch.tensor([t.data_ptr() for t in planes], dtype=torch.int64)
+    with install_fake_device("cuda", version_attrs={"cuda": "12.4", "hip": None}) as fake:
+        fake._current_stream.cuda_stream = 0x5151
+        transfer(ptrs, [c.data_ptr() for c in got], ids, "cpu", 1, sd, chunk, fmt, skip)
+        assert fake_c.calls and fake_c.calls[-1][-1] == 0x5151  # the current stream's handle
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(a, b)
+        # CPU tensor operands cannot reach a GPU kernel: the torch baseline answers.
+        n = len(fake_c.calls)
+        again = _chunks(fmt, geo, 2, chunk, dtype)
+        transfer(operand, again, ids, "cpu", 1, sd, chunk, fmt, skip)
+        assert len(fake_c.calls) == n
+        for a, b in zip(again, want, strict=True):
+            assert torch.equal(a, b)
+
+
+PKG = CSRC.parent
+
+
+@pytest.mark.skipif(
+    not (PKG / "pyproject.toml").is_file(), reason=f"lmcache-cuda sources not at {PKG}"
+)
+def test_no_gpu_ext_forces_the_pure_python_wheel(tmp_path):
+    """NO_GPU_EXT=1 wins over LMCACHE_BUILD_CUDA=1: no CMake run, a py3-none-any wheel."""
+    import sys
+
+    pytest.importorskip("scikit_build_core", reason="scikit-build-core not installed")
+    env = {**os.environ, "LMCACHE_BUILD_CUDA": "1", "NO_GPU_EXT": "1"}
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+         "-w", str(tmp_path), str(PKG)],
+        check=True, env=env, capture_output=True,
+    )  # fmt: skip
+    wheels = list(tmp_path.glob("lmcache_cuda-*.whl"))
+    assert len(wheels) == 1 and wheels[0].name.endswith("-py3-none-any.whl"), wheels
+    import zipfile
+
+    names = zipfile.ZipFile(wheels[0]).namelist()
+    assert "lmcache/devices/cuda/__init__.py" in names
+    assert not any(n.endswith(".so") for n in names)
+    assert not any(n in ("lmcache/__init__.py", "lmcache/devices/__init__.py") for n in names)

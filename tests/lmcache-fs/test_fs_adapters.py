@@ -35,7 +35,9 @@ def test_types_registered_through_entry_point():
 def test_round_trip_unequal_sizes(h, fs_type, adapters, tmp_path):
     a = h.build(fs_type, base_path=str(tmp_path))
     adapters.append(a)
-    assert len({a.get_store_event_fd(), a.get_lookup_and_lock_event_fd(), a.get_load_event_fd()}) == 3
+    assert (
+        len({a.get_store_event_fd(), a.get_lookup_and_lock_event_fd(), a.get_load_event_fd()}) == 3
+    )
     keys = [h.key(i) for i in range(3)]
     objs = [h.make_obj(n, seed=i) for i, n in enumerate([10, 4096, 100_000])]
     res = h.store(a, keys, objs)
@@ -48,7 +50,7 @@ def test_round_trip_unequal_sizes(h, fs_type, adapters, tmp_path):
     dst = [h.empty_like(o) for o in objs]
     bm = h.load(a, keys, dst)
     assert [bm.test(i) for i in range(3)] == [True, True, True]
-    for o, d in zip(objs, dst):
+    for o, d in zip(objs, dst, strict=False):
         assert torch.equal(o.raw_tensor[: o.get_size()], d.raw_tensor[: d.get_size()])
 
     miss = h.make_obj(10, seed=5)
@@ -176,7 +178,7 @@ def test_restart_recovers_usage_and_cleans_stale_temp_files(h, fs_type, adapters
     adapters.append(b)
     rec = h.Recorder()
     b.register_listener(rec)
-    scan = lambda: (b.report_status().get("scan") or b.report_status()["extra_status"]["scan"])  # noqa: E731
+    scan = lambda: b.report_status().get("scan") or b.report_status()["extra_status"]["scan"]  # noqa: E731
     assert h.wait_until(lambda: scan()["done"])
     assert b.get_usage().total_bytes_used == sum(1000 + i for i in range(4))
     s = scan()
@@ -253,3 +255,30 @@ def test_close_is_idempotent(h, fs_type, tmp_path):
     a = h.build(fs_type, base_path=str(tmp_path))
     a.close()
     a.close()
+
+
+def test_eviction_controller_deletes_fs_keys_including_recovered_ones(h, fs_type, adapters, tmp_path):
+    from lmcache.v1.distributed.config import EvictionConfig
+    from lmcache.v1.distributed.eviction import L2EvictionController
+
+    cap_gb = 10_000 / (1 << 30)  # 10 000 bytes
+    first = h.build(fs_type, base_path=str(tmp_path), max_capacity_gb=cap_gb)
+    old_keys = [h.key(i) for i in range(5)]
+    h.store(first, old_keys, [h.make_obj(1000, seed=i) for i in range(5)])
+    first.close()
+
+    # Restart: the scan recovers 5 000 bytes; the controller attaches afterwards.
+    a = h.build(fs_type, base_path=str(tmp_path), max_capacity_gb=cap_gb)
+    adapters.append(a)
+    assert h.wait_until(lambda: a.get_usage().total_bytes_used == 5000)
+    ctl = L2EvictionController(interval_s=3600)
+    assert ctl.add_adapter(0, a, EvictionConfig("LRU", trigger_watermark=0.8, eviction_ratio=0.5))
+    new_keys = [h.key(100 + i) for i in range(5)]
+    h.store(a, new_keys, [h.make_obj(1000, seed=i) for i in range(5)])
+    assert a.get_usage().usage_fraction == 1.0
+
+    ctl.run_once()
+    assert h.wait_until(lambda: a.get_usage().total_bytes_used == 5000)
+    left = {n for n in os.listdir(tmp_path) if n.endswith(".data")}
+    # LRU: the recovered (older) keys went first; the new ones stay.
+    assert left == {object_key_to_filename(k) for k in new_keys}

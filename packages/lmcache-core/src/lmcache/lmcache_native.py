@@ -291,7 +291,7 @@ def _needed_range(hit: int, window: int) -> tuple[int, int]:
 
 
 def _prefix_ok(rows: Sequence[Bitmap], windows: Sequence[int], hit: int) -> bool:
-    for row, w in zip(rows, windows):
+    for row, w in zip(rows, windows, strict=False):
         lo, hi = _needed_range(hit, w)
         if hi > lo:
             if hi > row.size():

@@ -35,7 +35,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--output", type=Path, default=None, help="also write the JSON here")
-    parser.add_argument("--iterations", type=int, default=20, help="timed runs per case (default 20)")
+    parser.add_argument(
+        "--iterations", type=int, default=20, help="timed runs per case (default 20)"
+    )
     parser.add_argument("--warmup", type=int, default=3, help="untimed runs first (default 3)")
     parser.set_defaults(func=run)
 
@@ -80,10 +82,19 @@ def measure(iterations: int = 20, warmup: int = 3, seed: int = 0) -> dict[str, A
     n_blocks = TOKENS // BLOCK
     block_ids = torch.randperm(ENGINE_BLOCKS, generator=g)[:n_blocks].tolist()
     n_chunks = TOKENS // CHUNK
-    chunks = [torch.empty(2, LAYERS, CHUNK, HEADS * HEAD_SIZE, dtype=dtype) for _ in range(n_chunks)]
+    chunks = [
+        torch.empty(2, LAYERS, CHUNK, HEADS * HEAD_SIZE, dtype=dtype) for _ in range(n_chunks)
+    ]
     desc = PageBufferShapeDesc(
-        kv_size=2, nl=LAYERS, nb=ENGINE_BLOCKS, bs=BLOCK, nh=HEADS, hs=HEAD_SIZE,
-        element_size=2, block_stride_elems=0, dtype=dtype,
+        kv_size=2,
+        nl=LAYERS,
+        nb=ENGINE_BLOCKS,
+        bs=BLOCK,
+        nh=HEADS,
+        hs=HEAD_SIZE,
+        element_size=2,
+        block_stride_elems=0,
+        dtype=dtype,
     )
     fmt = EngineKVFormat.NL_X_TWO_NB_BS_NH_HS
     nbytes = sum(c.numel() * c.element_size() for c in chunks)
@@ -121,7 +132,9 @@ def measure(iterations: int = 20, warmup: int = 3, seed: int = 0) -> dict[str, A
         check, chunks, block_ids, "cpu", TransferDirection.H2D, desc, CHUNK, fmt, 0
     )
     ids = torch.tensor(block_ids)
-    roundtrip_ok = all(torch.equal(c[:, ids], p[:, ids]) for c, p in zip(check, paged))
+    roundtrip_ok = all(
+        torch.equal(c[:, ids], p[:, ids]) for c, p in zip(check, paged, strict=False)
+    )
     return {
         "benchmark": "kernels",
         "op": "multi_layer_block_kv_transfer (torch baseline)",

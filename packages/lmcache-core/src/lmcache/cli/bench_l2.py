@@ -1,16 +1,255 @@
-"""`lmcache bench l2`: PLACEHOLDER until its issue lands (replace this whole module)."""
+"""``lmcache bench l2``: drive one or more L2 adapters directly and print JSON results.
+
+    lmcache bench l2 --l2-adapter '{"type":"mock","max_size_gb":4,"mock_bandwidth_gb":10}' \\
+        --num-keys 32 --data-size-kb 256 --in-flight 4 --rounds 3
+
+Each round submits ``--in-flight`` tasks of ``--num-keys`` keys at once (fresh keys per round)
+with buffers carved from one arena, waits on the adapter's event fds and records every task's
+duration. Reported per op (store, lookup, load): p50/p99 task duration, average/min/max MB/s
+over rounds, average latency per key and success counts. ``--l2-adapter`` is repeatable (each
+adapter is benchmarked on its own) and falls back to the env var ``L2_ADAPTER_JSON``.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import select
+import statistics
+import sys
+import time
+from typing import Any
 
 from lmcache.cli.errors import CLIError
 
+OPS = ("store", "lookup", "load")
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("l2", help="(not implemented yet)")
-    parser.set_defaults(func=run)
+    p = subparsers.add_parser(
+        "l2",
+        help="benchmark L2 adapters (store/lookup/load throughput and latency, JSON)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--l2-adapter", action="append", default=[], metavar="JSON",
+                   help="adapter spec as JSON (repeatable; default: $L2_ADAPTER_JSON)")
+    p.add_argument("--num-keys", type=int, default=32, help="keys per task (default 32)")
+    p.add_argument("--in-flight", type=int, default=1, help="tasks submitted at once (default 1)")
+    p.add_argument("--data-size-kb", type=int, default=256, help="bytes per key in KiB (default 256)")
+    p.add_argument("--l1-align-bytes", type=int, default=1,
+                   help="buffer alignment (4096 for O_DIRECT backends; default 1)")
+    p.add_argument("--l1-use-hugepages", action="store_true", help="back the arena with hugepages")
+    p.add_argument("--rounds", type=int, default=1, help="measured rounds (default 1)")
+    p.add_argument("--warmup-rounds", type=int, default=1, help="unmeasured rounds (default 1)")
+    p.add_argument("--lookup-max-hit-rate", type=float, default=0.0,
+                   help="fraction of looked-up keys that exist (default 0.0: pure misses)")
+    p.add_argument("--skip-verify", action=argparse.BooleanOptionalAction, default=True,
+                   help="skip comparing loaded bytes with stored bytes (default: skip)")
+    p.add_argument("--only", choices=OPS, default=None, help="run only this op (store runs "
+                   "first as setup when needed, unmeasured)")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for one task")
+    p.add_argument("--output", metavar="FILE", default=None, help="also write the JSON here")
+    p.set_defaults(func=run)
+
+
+def _percentile(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    s = sorted(values)
+    idx = min(len(s) - 1, max(0, round(q * (len(s) - 1))))
+    return s[idx]
+
+
+class _Bench:
+    def __init__(self, adapter: Any, args: argparse.Namespace, arena: Any) -> None:
+        self.a = adapter
+        self.args = args
+        self.arena = arena
+        self.nbytes = args.data_size_kb * 1024
+        self.store_results: dict[int, Any] = {}
+
+    def keys(self, tag: str, rnd: int, task: int):
+        from lmcache.v1.distributed.api import ObjectKey
+
+        return [
+            ObjectKey(f"{tag}:{rnd}:{task}:{i}".encode().ljust(16, b"\0")[:16].hex().encode()[:32],
+                      "lmcache-bench-l2", 0)
+            for i in range(self.args.num_keys)
+        ]
+
+    def wait(self, fd: int, poll, deadline: float):
+        from lmcache.v1.platform.event_notifier import consume_fd
+
+        while True:
+            res = poll()
+            if res is not None:
+                return res
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise CLIError(f"an L2 task did not complete within {self.args.timeout} s")
+            r, _, _ = select.select([fd], [], [], min(left, 0.5))
+            if r:
+                consume_fd(fd)
+
+    def _poll_store(self, tid: int):
+        def poll():
+            self.store_results.update(self.a.pop_completed_store_tasks())
+            return self.store_results.pop(tid, None)
+
+        return poll
+
+    def run_op(self, op: str, rnd: int, objs: list[list[Any]], stored: list[list[Any]]) -> dict[str, Any]:
+        n_tasks = self.args.in_flight
+        deadline = time.monotonic() + self.args.timeout
+        submitted = []
+        t0 = time.perf_counter()
+        for t in range(n_tasks):
+            if op == "store":
+                keys = self.keys("k", rnd, t)
+                tid = self.a.submit_store_task(keys, objs[t])
+                poll, fd = self._poll_store(tid), self.a.get_store_event_fd()
+            elif op == "lookup":
+                hits = int(self.args.lookup_max_hit_rate * self.args.num_keys)
+                keys = stored[t % len(stored)][:hits] + self.keys("miss", rnd, t)[hits:]
+                tid = self.a.submit_lookup_and_lock_task(keys, None)
+                fd = self.a.get_lookup_and_lock_event_fd()
+                poll = (lambda tid=tid: self.a.query_lookup_and_lock_result(tid))
+            else:
+                keys = stored[t % len(stored)]
+                tid = self.a.submit_load_task(keys, objs[t])
+                fd = self.a.get_load_event_fd()
+                poll = (lambda tid=tid: self.a.query_load_result(tid))
+            submitted.append((t, keys, tid, fd, poll, time.perf_counter()))
+        durations, ok_keys, ok_tasks = [], 0, 0
+        for t, keys, _tid, fd, poll, start in submitted:
+            res = self.wait(fd, poll, deadline)
+            durations.append(time.perf_counter() - start)
+            if op == "store":
+                ok_tasks += int(res.is_successful())
+                ok_keys += len(keys) if res.is_successful() else 0
+                stored.append(keys)
+            else:
+                ok_keys += res.popcount()
+                ok_tasks += int(res.popcount() == len(keys))
+                if op == "lookup":
+                    found = res.gather(keys)
+                    if found:
+                        self.a.submit_unlock(found)
+        wall = time.perf_counter() - t0
+        moved = self.nbytes * (ok_keys if op != "lookup" else 0)
+        return {"durations": durations, "wall": wall, "bytes": moved, "ok_keys": ok_keys,
+                "ok_tasks": ok_tasks, "tasks": n_tasks, "keys": n_tasks * self.args.num_keys}
+
+
+def _summary(op: str, rounds: list[dict[str, Any]], num_keys: int) -> dict[str, Any]:
+    durs = [d for r in rounds for d in r["durations"]]
+    mbps = [r["bytes"] / r["wall"] / 1e6 for r in rounds if r["wall"] > 0]
+    return {
+        "op": op,
+        "rounds": len(rounds),
+        "tasks": sum(r["tasks"] for r in rounds),
+        "successful_tasks": sum(r["ok_tasks"] for r in rounds),
+        "keys": sum(r["keys"] for r in rounds),
+        "successful_keys": sum(r["ok_keys"] for r in rounds),
+        "p50_ms": round(_percentile(durs, 0.5) * 1e3, 3),
+        "p99_ms": round(_percentile(durs, 0.99) * 1e3, 3),
+        "avg_mb_per_s": round(statistics.fmean(mbps), 2) if mbps else 0.0,
+        "min_mb_per_s": round(min(mbps), 2) if mbps else 0.0,
+        "max_mb_per_s": round(max(mbps), 2) if mbps else 0.0,
+        "avg_latency_per_key_us": round(statistics.fmean(durs) / num_keys * 1e6, 2) if durs else 0.0,
+    }
+
+
+def _bench_one(spec_json: str, index: int, args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    from lmcache.v1.distributed.l1_memory import L1Allocator
+    from lmcache.v1.distributed.l2_adapters.config import parse_l2_adapter_dict
+    from lmcache.v1.distributed.l2_adapters.factory import create_l2_adapter_from_registry
+
+    try:
+        d = json.loads(spec_json)
+    except json.JSONDecodeError as exc:
+        raise CLIError(f"Invalid JSON for --l2-adapter #{index}: {exc}") from exc
+    try:
+        cfg = parse_l2_adapter_dict(index, d)
+    except ValueError as exc:
+        raise CLIError(str(exc)) from exc
+    nbytes = args.data_size_kb * 1024
+    align = args.l1_align_bytes
+    slot = (nbytes + align - 1) // align * align
+    n_bufs = 2 * args.in_flight * args.num_keys
+    alloc = L1Allocator(slot * n_bufs + align, align, shm_name="", use_hugepages=args.l1_use_hugepages)
+    adapter = create_l2_adapter_from_registry(cfg, alloc.memory_desc())
+    try:
+        shape, dt = [torch.Size([nbytes])], [torch.uint8]
+        src = [alloc.batched_allocate(shape, dt, args.num_keys) for _ in range(args.in_flight)]
+        dst = [alloc.batched_allocate(shape, dt, args.num_keys) for _ in range(args.in_flight)]
+        gen = torch.Generator().manual_seed(0)
+        for group in src:
+            for o in group:
+                o.tensor.copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen))
+        bench = _Bench(adapter, args, alloc)
+        stored: list[list[Any]] = []
+        results: dict[str, Any] = {}
+        ops = [args.only] if args.only else list(OPS)
+        store_rounds: list[dict[str, Any]] = []
+        for rnd in range(args.warmup_rounds + args.rounds):
+            r = bench.run_op("store", rnd, src, stored)
+            if rnd >= args.warmup_rounds:
+                store_rounds.append(r)
+        if "store" in ops:
+            results["store"] = _summary("store", store_rounds, args.num_keys)
+        stored_batches = stored[-args.in_flight:]
+        for op in ("lookup", "load"):
+            if op not in ops:
+                continue
+            rounds = []
+            for rnd in range(args.warmup_rounds + args.rounds):
+                r = bench.run_op(op, 1000 + rnd, dst, stored_batches)
+                if rnd >= args.warmup_rounds:
+                    rounds.append(r)
+            results[op] = _summary(op, rounds, args.num_keys)
+        if "load" in ops and not args.skip_verify:
+            mismatched = sum(
+                int(not torch.equal(s.tensor, d_.tensor))
+                for sg, dg in zip(src, dst, strict=False) for s, d_ in zip(sg, dg, strict=False)
+            )
+            results["load"]["verify_mismatched_keys"] = mismatched
+        return {"adapter": d, "type": d.get("type"), "results": results}
+    finally:
+        adapter.close()
+        del src, dst
+        alloc.close()
 
 
 def run(args: argparse.Namespace) -> int:
-    raise CLIError("'l2' is not implemented yet")
+    specs = list(args.l2_adapter) or ([os.environ["L2_ADAPTER_JSON"]] if os.environ.get("L2_ADAPTER_JSON") else [])
+    if not specs:
+        raise CLIError("give --l2-adapter JSON (or set L2_ADAPTER_JSON), e.g. "
+                       '--l2-adapter \'{"type":"mock","max_size_gb":4,"mock_bandwidth_gb":10}\'')
+    for name in ("num_keys", "in_flight", "data_size_kb", "rounds", "l1_align_bytes"):
+        if getattr(args, name) < 1:
+            raise CLIError(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(args, name)})")
+    if args.warmup_rounds < 0:
+        raise CLIError(f"--warmup-rounds must be >= 0 (got {args.warmup_rounds})")
+    if args.l1_align_bytes & (args.l1_align_bytes - 1):
+        raise CLIError(f"--l1-align-bytes must be a power of two (got {args.l1_align_bytes})")
+    if not 0.0 <= args.lookup_max_hit_rate <= 1.0:
+        raise CLIError(f"--lookup-max-hit-rate must be in [0, 1] (got {args.lookup_max_hit_rate})")
+    report = {
+        "benchmark": "l2",
+        "config": {k: getattr(args, k) for k in ("num_keys", "in_flight", "data_size_kb",
+                                                  "l1_align_bytes", "rounds", "warmup_rounds",
+                                                  "lookup_max_hit_rate", "skip_verify", "only")},
+        "adapters": [_bench_one(s, i, args) for i, s in enumerate(specs, start=1)],
+    }
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.output:
+        with open(args.output, "w") as f:
+            f.write(text + "\n")
+    sys.stdout.flush()
+    return 0

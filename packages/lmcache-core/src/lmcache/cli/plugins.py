@@ -1,16 +1,161 @@
-"""`lmcache plugins`: PLACEHOLDER until its issue lands (replace this whole module)."""
+"""``lmcache plugins [--json]``: what this environment can load.
+
+Lists every device backend (built-in or entry point, with its distribution), whether it
+is available on this host and which one is selected and why; every device plugin that
+failed to load, with the reason; and the L2 adapter types with their failures.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+from typing import Any
 
 from lmcache.cli.errors import CLIError
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("plugins", help="(not implemented yet)")
+    parser = subparsers.add_parser(
+        "plugins",
+        help="list device backends and L2 adapter types, and plugins that failed to load",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON document")
     parser.set_defaults(func=run)
 
 
+def _selection(dd: Any) -> dict[str, Any]:
+    """Which backend detection picks, and why; detection errors are reported, not raised."""
+    explicit = os.environ.get(dd.DEVICE_BACKEND_ENV_VAR, "").strip().lower()
+    wanted = os.environ.get(dd.DEVICE_TYPE_ENV_VAR, "").strip().lower()
+    try:
+        _module, device_type, backend = dd._detected()
+    except Exception as exc:
+        return {"backend": None, "device_type": None, "reason": f"detection failed: {exc}"}
+    if backend is None:
+        reason = (
+            "no accelerator backend is available; the built-in CPU fallback is used"
+            if device_type == "cpu"
+            else "detected without a registered backend"
+        )
+        return {
+            "backend": "cpu" if device_type == "cpu" else None,
+            "device_type": device_type,
+            "reason": reason,
+        }
+    if explicit:
+        reason = f"LMCACHE_DEVICE_BACKEND={explicit}"
+    elif wanted and wanted == device_type:
+        reason = f"DEVICE_TYPE={wanted} and it is the only available backend of that type"
+    else:
+        reason = "auto-detected: the first available device type"
+    return {"backend": backend, "device_type": device_type, "reason": reason}
+
+
+def collect() -> dict[str, Any]:
+    try:
+        from lmcache.v1.platform import _device_detect as dd
+    except ImportError as exc:  # torch-free environments still list what they can
+        raise CLIError(f"the device platform cannot be imported: {exc}") from None
+
+    notes: list[str] = []
+    registry = dd._build_backend_registry()
+    sources = dd.backend_sources()
+    selected = _selection(dd)
+    backends = []
+    for name, spec in registry.items():
+        src = sources.get(name)
+        backends.append(
+            {
+                "name": name,
+                "device_type": spec.device_type,
+                "spec": f"{type(spec).__module__}:{type(spec).__qualname__}",
+                "source": src.kind if src else "unknown",
+                "entry_point": src.value if src and src.value else None,
+                "distribution": (src.distribution if src and src.distribution else "lmcache-core")
+                if src and src.kind != "test"
+                else None,
+                "version": src.version if src and src.version else None,
+                "available": dd._probe(spec) if name != "cpu" else True,
+                "selected": name == selected.get("backend"),
+            }
+        )
+    failed = [{"name": n, "value": v, "reason": r} for n, v, r in dd.failed_device_plugins()]
+
+    l2_types: list[dict[str, Any]] = []
+    l2_failed: list[dict[str, str]] = []
+    try:
+        from lmcache.v1.distributed.l2_adapters import factory
+
+        l2_types = [dict(t) for t in factory.describe_l2_adapter_types()]
+        l2_failed = [
+            {"name": n, "value": v, "reason": r} for n, v, r in factory.failed_l2_adapter_plugins()
+        ]
+    except Exception as exc:
+        notes.append(f"L2 adapter types unavailable: {type(exc).__name__}: {exc}")
+    return {
+        "device_backends": backends,
+        "selected_device": selected,
+        "failed_device_plugins": failed,
+        "l2_adapter_types": l2_types,
+        "failed_l2_adapter_plugins": l2_failed,
+        "notes": notes,
+    }
+
+
+def _source_text(b: dict[str, Any]) -> str:
+    if b["source"] == "entry point":
+        dist = b["distribution"] or "?"
+        ver = f" {b['version']}" if b["version"] else ""
+        return f"entry point {b['entry_point']} ({dist}{ver})"
+    return b["source"]
+
+
+def _print_text(report: dict[str, Any]) -> None:
+    print("Device backends (entry-point group lmcache.device_plugins):")
+    rows = [("BACKEND", "DEVICE_TYPE", "AVAILABLE", "SELECTED", "SOURCE")]
+    for b in report["device_backends"]:
+        avail = "fallback" if b["name"] == "cpu" else ("yes" if b["available"] else "no")
+        rows.append(
+            (b["name"], b["device_type"], avail, "*" if b["selected"] else "", _source_text(b))
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    for r in rows:
+        print(
+            "  " + "  ".join(c.ljust(w) for c, w in zip(r[:4], widths, strict=False)) + "  " + r[4]
+        )
+    sel = report["selected_device"]
+    print(f"Selected: {sel.get('backend') or '<none>'} ({sel['reason']})")
+    print()
+    print("Failed device plugins:")
+    if not report["failed_device_plugins"]:
+        print("  (none)")
+    for f in report["failed_device_plugins"]:
+        print(f"  {f['name']} = {f['value']}: {f['reason']}")
+    print()
+    print("L2 adapter types (entry-point group lmcache.l2_adapters):")
+    if not report["l2_adapter_types"]:
+        print("  (none listed)")
+    for t in report["l2_adapter_types"]:
+        aliases = f" (aliases: {', '.join(t.get('aliases') or [])})" if t.get("aliases") else ""
+        origin = t.get("source", "?")
+        if t.get("distribution"):
+            origin += f", {t['distribution']}" + (f" {t['version']}" if t.get("version") else "")
+        print(f"  {t.get('name')}{aliases}: {origin}")
+    if report["failed_l2_adapter_plugins"]:
+        print("Failed L2 adapter plugins:")
+        for f in report["failed_l2_adapter_plugins"]:
+            print(f"  {f['name']} = {f['value']}: {f['reason']}")
+    for note in report["notes"]:
+        print(f"note: {note}")
+
+
 def run(args: argparse.Namespace) -> int:
-    raise CLIError("'plugins' is not implemented yet")
+    report = collect()
+    if args.json:
+        print(json.dumps(report, indent=2, default=str))
+    else:
+        _print_text(report)
+    return 0

@@ -63,7 +63,7 @@ class MemoryObjMetadata:
 
     def logical_size(self) -> int:
         total = 0
-        for shape, dtype in zip(self.get_shapes(), self.get_dtypes()):
+        for shape, dtype in zip(self.get_shapes(), self.get_dtypes(), strict=False):
             numel = 1
             for d in shape:
                 numel *= int(d)
@@ -221,7 +221,7 @@ class TensorMemoryObj(MemoryObj):
 
     def _group_offsets(self) -> list[tuple[int, int, torch.Size, torch.dtype]]:
         out, off = [], 0
-        for shape, dtype in zip(self.get_shapes(), self.get_dtypes()):
+        for shape, dtype in zip(self.get_shapes(), self.get_dtypes(), strict=False):
             numel = 1
             for d in shape:
                 numel *= int(d)
@@ -245,7 +245,9 @@ class TensorMemoryObj(MemoryObj):
     def byte_array(self) -> memoryview:
         n = self.get_size()
         if n > self._raw_u8.numel():
-            raise ValueError(f"logical size {n} exceeds the backing buffer ({self._raw_u8.numel()})")
+            raise ValueError(
+                f"logical size {n} exceeds the backing buffer ({self._raw_u8.numel()})"
+            )
         return _memoryview_at(self.data_ptr, n, self._raw_u8)
 
     def physical_byte_array(self) -> memoryview:
@@ -297,7 +299,11 @@ class BytesBufferMemoryObj(MemoryObj):
 
     @property
     def tensor(self) -> torch.Tensor:
-        return torch.frombuffer(self.raw_data, dtype=torch.uint8) if self.raw_data else torch.empty(0, dtype=torch.uint8)
+        return (
+            torch.frombuffer(self.raw_data, dtype=torch.uint8)
+            if self.raw_data
+            else torch.empty(0, dtype=torch.uint8)
+        )
 
     @property
     def raw_tensor(self) -> torch.Tensor:

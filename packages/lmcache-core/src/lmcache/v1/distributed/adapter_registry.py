@@ -63,8 +63,14 @@ class AdapterRegistry:
         self.version = 0
         self._fd_owner: dict[int, int] = {}
 
-    def add(self, adapter: Any, type_name: str, affinity_tag: str = "_default",
-            l1_index: int = 0, config: Any = None) -> AdapterSlot:
+    def add(
+        self,
+        adapter: Any,
+        type_name: str,
+        affinity_tag: str = "_default",
+        l1_index: int = 0,
+        config: Any = None,
+    ) -> AdapterSlot:
         fds = (
             int(adapter.get_store_event_fd()),
             int(adapter.get_lookup_and_lock_event_fd()),
@@ -87,7 +93,9 @@ class AdapterRegistry:
                         f"({o.type_name}); every adapter needs its own fds"
                     )
             self._next += 1
-            slot = AdapterSlot(index, adapter, type_name, affinity_tag, l1_index, False, config, fds)
+            slot = AdapterSlot(
+                index, adapter, type_name, affinity_tag, l1_index, False, config, fds
+            )
             self._slots[index] = slot
             for fd in fds:
                 self._fd_owner[fd] = index

@@ -84,7 +84,9 @@ class ObjectKey:
                 bad = sorted(_BAD_SALT_CHARS)
                 raise ValueError(f"cache_salt must not contain {bad!r} (got {salt!r})")
             if len(salt) > CACHE_SALT_MAX_LEN:
-                raise ValueError(f"cache_salt exceeds max length {CACHE_SALT_MAX_LEN} (got {len(salt)})")
+                raise ValueError(
+                    f"cache_salt exceeds max length {CACHE_SALT_MAX_LEN} (got {len(salt)})"
+                )
 
     # 0.5.x helpers kept as static methods on the class
     ComputeKVRank = staticmethod(ComputeKVRank)
@@ -121,7 +123,11 @@ class EncodedObjectKey:
         except ValueError as exc:
             raise ValueError(f"chunk_hash_hex is not hex (got {self.chunk_hash_hex!r})") from exc
         return ObjectKey(
-            chunk_hash, self.model_name, int(self.kv_rank), int(self.object_group_id), self.cache_salt
+            chunk_hash,
+            self.model_name,
+            int(self.kv_rank),
+            int(self.object_group_id),
+            self.cache_salt,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -161,7 +167,7 @@ class MemoryLayoutDesc:
 
     def nbytes(self) -> int:
         total = 0
-        for s, d in zip(self.shapes, self.dtypes):
+        for s, d in zip(self.shapes, self.dtypes, strict=False):
             total += s.numel() * torch.empty((), dtype=d).element_size()
         return total
 
@@ -205,7 +211,9 @@ class PrefetchTaskSpec:
 
     def __post_init__(self) -> None:
         if self.fetching_policy not in ("prefix", "full"):
-            raise ValueError(f"fetching_policy must be 'prefix' or 'full' (got {self.fetching_policy!r})")
+            raise ValueError(
+                f"fetching_policy must be 'prefix' or 'full' (got {self.fetching_policy!r})"
+            )
         lengths = {len(g.keys) for g in self.key_groups}
         if len(lengths) > 1:
             raise ValueError(f"all key rows must have the same length (got {sorted(lengths)})")

@@ -168,31 +168,65 @@ def add_l1_args(
     # The flag itself defaults to None so an explicit value is distinguishable from the
     # caller's default (needed for "Use either --l1-manager or legacy L1 flags").
     parser.set_defaults(l1_size_gb_default=l1_size_gb_default)
-    g.add_argument("--l1-size-gb", type=float, default=None,
-                   help="L1 (CPU memory) cache size in GiB"
-                   + (f" (default {l1_size_gb_default})" if l1_size_gb_default else ""))
-    g.add_argument("--l1-use-lazy", action=argparse.BooleanOptionalAction, default=True,
-                   help="grow (commit) L1 memory in the background instead of all at start")
-    g.add_argument("--l1-init-size-gb", type=int, default=20,
-                   help="initially committed L1 size in GiB for lazy L1 (clamped to --l1-size-gb)")
-    g.add_argument("--l1-align-bytes", type=int, default=4096,
-                   help="allocation alignment in bytes (a power of two)")
-    g.add_argument("--l1-use-hugepages", action="store_true", default=False,
-                   help="back L1 with 2 MiB hugepages (forces --no-l1-use-lazy)")
-    g.add_argument("--l1-write-ttl-seconds", type=float, default=600,
-                   help="a write reservation not finished within this time can be reclaimed")
-    g.add_argument("--l1-read-ttl-seconds", type=float, default=300,
-                   help="a read lock expires after this time")
-    g.add_argument("--l1-manager", action="append", default=[], metavar="JSON",
-                   help='tagged L1, repeatable: {"type":"DRAM","tag":"_default","size_gb":8,'
-                        '"eviction":{"eviction_policy":"LRU"}}')
+    g.add_argument(
+        "--l1-size-gb",
+        type=float,
+        default=None,
+        help="L1 (CPU memory) cache size in GiB"
+        + (f" (default {l1_size_gb_default})" if l1_size_gb_default else ""),
+    )
+    g.add_argument(
+        "--l1-use-lazy",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="grow (commit) L1 memory in the background instead of all at start",
+    )
+    g.add_argument(
+        "--l1-init-size-gb",
+        type=int,
+        default=20,
+        help="initially committed L1 size in GiB for lazy L1 (clamped to --l1-size-gb)",
+    )
+    g.add_argument(
+        "--l1-align-bytes",
+        type=int,
+        default=4096,
+        help="allocation alignment in bytes (a power of two)",
+    )
+    g.add_argument(
+        "--l1-use-hugepages",
+        action="store_true",
+        default=False,
+        help="back L1 with 2 MiB hugepages (forces --no-l1-use-lazy)",
+    )
+    g.add_argument(
+        "--l1-write-ttl-seconds",
+        type=float,
+        default=600,
+        help="a write reservation not finished within this time can be reclaimed",
+    )
+    g.add_argument(
+        "--l1-read-ttl-seconds", type=float, default=300, help="a read lock expires after this time"
+    )
+    g.add_argument(
+        "--l1-manager",
+        action="append",
+        default=[],
+        metavar="JSON",
+        help='tagged L1, repeatable: {"type":"DRAM","tag":"_default","size_gb":8,'
+        '"eviction":{"eviction_policy":"LRU"}}',
+    )
     g.add_argument("--l1-devdax-path", type=str, default=None, help="devdax device for a DEVDAX L1")
     g.add_argument("--gds-l1-path", type=str, default=None, help="GDS L1 directory")
     g.add_argument("--gds-l1-use-direct-io", action="store_true", default=False)
     g.add_argument("--gds-l1-backend", type=str, default="auto")
     if include_shm_name:
-        g.add_argument("--shm-name", type=str, default="",
-                       help='POSIX shared-memory name for the L1 pool ("" disables SHM)')
+        g.add_argument(
+            "--shm-name",
+            type=str,
+            default="",
+            help='POSIX shared-memory name for the L1 pool ("" disables SHM)',
+        )
 
 
 def add_eviction_args(
@@ -200,29 +234,62 @@ def add_eviction_args(
 ) -> None:
     g = parser.add_argument_group("Eviction")
     parser.set_defaults(eviction_policy_default=eviction_policy_default)
-    g.add_argument("--eviction-policy", choices=EVICTION_POLICIES, default=None,
-                   help="L1 eviction policy"
-                   + (f" (default {eviction_policy_default})" if eviction_policy_default else ""))
-    g.add_argument("--eviction-trigger-watermark", type=float, default=0.8,
-                   help="evict when L1 usage reaches this fraction")
-    g.add_argument("--eviction-ratio", type=float, default=0.2,
-                   help="fraction of used bytes freed per eviction cycle")
+    g.add_argument(
+        "--eviction-policy",
+        choices=EVICTION_POLICIES,
+        default=None,
+        help="L1 eviction policy"
+        + (f" (default {eviction_policy_default})" if eviction_policy_default else ""),
+    )
+    g.add_argument(
+        "--eviction-trigger-watermark",
+        type=float,
+        default=0.8,
+        help="evict when L1 usage reaches this fraction",
+    )
+    g.add_argument(
+        "--eviction-ratio",
+        type=float,
+        default=0.2,
+        help="fraction of used bytes freed per eviction cycle",
+    )
 
 
 def add_l2_policy_args(parser: argparse.ArgumentParser | Any) -> None:
     g = parser.add_argument_group("L2 policies")
-    g.add_argument("--l2-store-policy", type=str, default="default",
-                   help="default (store to every adapter, keep L1) | skip_l1 (delete from L1 after)")
-    g.add_argument("--l2-prefetch-policy", type=str, default="default",
-                   help="default (loaded keys are temporary) | retain (loaded keys stay in L1)")
-    g.add_argument("--l2-prefetch-max-in-flight", type=int, default=8,
-                   help="prefetch requests running at once")
-    g.add_argument("--periodic-notifier-interval-ms", type=int, default=5,
-                   help="interval of the timer that wakes adapters without their own signal")
-    g.add_argument("--l2-lookup-timeout-seconds", type=float, default=30.0,
-                   help="an L2 lookup past this deadline counts as a miss (0 disables)")
-    g.add_argument("--l2-load-timeout-seconds", type=float, default=60.0,
-                   help="an L2 load past this deadline counts as a miss (0 disables)")
+    g.add_argument(
+        "--l2-store-policy",
+        type=str,
+        default="default",
+        help="default (store to every adapter, keep L1) | skip_l1 (delete from L1 after)",
+    )
+    g.add_argument(
+        "--l2-prefetch-policy",
+        type=str,
+        default="default",
+        help="default (loaded keys are temporary) | retain (loaded keys stay in L1)",
+    )
+    g.add_argument(
+        "--l2-prefetch-max-in-flight", type=int, default=8, help="prefetch requests running at once"
+    )
+    g.add_argument(
+        "--periodic-notifier-interval-ms",
+        type=int,
+        default=5,
+        help="interval of the timer that wakes adapters without their own signal",
+    )
+    g.add_argument(
+        "--l2-lookup-timeout-seconds",
+        type=float,
+        default=30.0,
+        help="an L2 lookup past this deadline counts as a miss (0 disables)",
+    )
+    g.add_argument(
+        "--l2-load-timeout-seconds",
+        type=float,
+        default=60.0,
+        help="an L2 load past this deadline counts as a miss (0 disables)",
+    )
 
 
 def add_storage_manager_args(
@@ -243,10 +310,21 @@ def add_storage_manager_args(
         add_l2_adapters_args(parser)
 
 
-_L1_COMMON = {"type", "tag", "size_gb", "align_bytes", "read_ttl_seconds", "write_ttl_seconds",
-              "eviction"}
+_L1_COMMON = {
+    "type",
+    "tag",
+    "size_gb",
+    "align_bytes",
+    "read_ttl_seconds",
+    "write_ttl_seconds",
+    "eviction",
+}
 _L1_DRAM = {"use_lazy", "init_size_gb", "shm_name", "use_hugepages"}
-_L1_EXTRA = {"DRAM": _L1_DRAM, "DEVDAX": {"devdax_path"}, "GDS": {"path", "use_direct_io", "backend"}}
+_L1_EXTRA = {
+    "DRAM": _L1_DRAM,
+    "DEVDAX": {"devdax_path"},
+    "GDS": {"path", "use_direct_io", "backend"},
+}
 
 
 def _num(d: dict[str, Any], k: str, default: float, lo: float | None = None) -> float:
@@ -331,11 +409,20 @@ def parse_args_to_storage_manager_config(args: argparse.Namespace) -> StorageMan
             raise ValueError(f"{name} must be positive (got {v})")
 
     if l1_jsons:
-        legacy = [f for f, n in (("--l1-size-gb", "l1_size_gb"), ("--eviction-policy", "eviction_policy"),
-                                 ("--l1-devdax-path", "l1_devdax_path"), ("--gds-l1-path", "gds_l1_path"))
-                  if getattr(args, n, None) is not None]
+        legacy = [
+            f
+            for f, n in (
+                ("--l1-size-gb", "l1_size_gb"),
+                ("--eviction-policy", "eviction_policy"),
+                ("--l1-devdax-path", "l1_devdax_path"),
+                ("--gds-l1-path", "gds_l1_path"),
+            )
+            if getattr(args, n, None) is not None
+        ]
         if legacy:
-            raise ValueError(f"Use either --l1-manager or legacy L1 flags (got {', '.join(legacy)})")
+            raise ValueError(
+                f"Use either --l1-manager or legacy L1 flags (got {', '.join(legacy)})"
+            )
         managers = [parse_l1_manager_json(t) for t in l1_jsons]
         tags = [m.tag for m in managers]
         if len(set(tags)) != len(tags):
@@ -367,7 +454,7 @@ def parse_args_to_storage_manager_config(args: argparse.Namespace) -> StorageMan
         use_hugepages = bool(getattr(args, "l1_use_hugepages", False))
         if use_hugepages and shm_name:
             raise ValueError(
-                "l1-use-hugepages is incompatible with shared memory. Please set --shm-name \"\" "
+                'l1-use-hugepages is incompatible with shared memory. Please set --shm-name "" '
                 "to disable SHM when enabling hugepages."
             )
         mem = L1MemoryManagerConfig(

@@ -79,8 +79,9 @@ class EvictionPolicy:
     def on_keys_removed(self, keys: list[ObjectKey]) -> None:
         pass
 
-    def candidates(self, key_eligible_filter: KeyFilter | None = None,
-                   cache_salt: str | None = None) -> list[ObjectKey]:
+    def candidates(
+        self, key_eligible_filter: KeyFilter | None = None, cache_salt: str | None = None
+    ) -> list[ObjectKey]:
         """All tracked keys in eviction order (a snapshot)."""
         return []
 
@@ -145,8 +146,9 @@ class LRUEvictionPolicy(EvictionPolicy):
             for k in keys:
                 self._order.pop(k, None)
 
-    def candidates(self, key_eligible_filter: KeyFilter | None = None,
-                   cache_salt: str | None = None) -> list[ObjectKey]:
+    def candidates(
+        self, key_eligible_filter: KeyFilter | None = None, cache_salt: str | None = None
+    ) -> list[ObjectKey]:
         with self._lock:
             snap = list(self._order)
         if cache_salt is not None:
@@ -180,8 +182,9 @@ class IsolatedLRUEvictionPolicy(EvictionPolicy):
     def on_keys_removed(self, keys: list[ObjectKey]) -> None:
         self._global.on_keys_removed(keys)
 
-    def candidates(self, key_eligible_filter: KeyFilter | None = None,
-                   cache_salt: str | None = None) -> list[ObjectKey]:
+    def candidates(
+        self, key_eligible_filter: KeyFilter | None = None, cache_salt: str | None = None
+    ) -> list[ObjectKey]:
         return self._global.candidates(key_eligible_filter, cache_salt)
 
     def num_tracked(self) -> int:
@@ -220,7 +223,9 @@ class ARCEvictionPolicy(EvictionPolicy):
                 elif k in self.t2:
                     self.t2.move_to_end(k)
                 elif k in self.b1:
-                    self.p = min(float(self.capacity), self.p + max(len(self.b2) / max(1, len(self.b1)), 1.0))
+                    self.p = min(
+                        float(self.capacity), self.p + max(len(self.b2) / max(1, len(self.b1)), 1.0)
+                    )
                     del self.b1[k]
                     self.t2[k] = None
                 elif k in self.b2:
@@ -254,8 +259,9 @@ class ARCEvictionPolicy(EvictionPolicy):
                     self.b2[k] = None
             self._trim_ghosts()
 
-    def candidates(self, key_eligible_filter: KeyFilter | None = None,
-                   cache_salt: str | None = None) -> list[ObjectKey]:
+    def candidates(
+        self, key_eligible_filter: KeyFilter | None = None, cache_salt: str | None = None
+    ) -> list[ObjectKey]:
         with self._lock:
             if len(self.t1) >= self.p and self.t1:
                 order = list(self.t1) + list(self.t2)
@@ -412,8 +418,12 @@ class L1EvictionController(_GuardedLoop, L1ManagerListener):
             "tracked_keys": self.policy.num_tracked(),
             "evicted_keys": self.evicted_keys,
             "triggered_cycles": self.triggered,
-            "eviction": {"cycles": self.cycles, "errors": self.errors,
-                         "consecutive_errors": self.consecutive_errors, "restarts": self.restarts},
+            "eviction": {
+                "cycles": self.cycles,
+                "errors": self.errors,
+                "consecutive_errors": self.consecutive_errors,
+                "restarts": self.restarts,
+            },
             "is_healthy": self.is_healthy,
         }
 
@@ -470,7 +480,7 @@ class _L2Tracker(L2AdapterListener):
 
     def on_l2_keys_stored(self, keys: list[ObjectKey], sizes: list[int]) -> None:
         with self._lock:
-            for k, s in zip(keys, sizes):
+            for k, s in zip(keys, sizes, strict=False):
                 if s > 0 or k not in self.sizes:
                     self.sizes[k] = int(s)
         self.policy.on_keys_created(keys)
@@ -513,7 +523,9 @@ class L2EvictionController(_GuardedLoop):
         if not policy.support_isolation and not adapter.supports_global_eviction:
             logger.warning(
                 "L2 adapter #%d: eviction policy %s needs a capacity (max_capacity > 0); "
-                "eviction disabled for it", index, config.eviction_policy,
+                "eviction disabled for it",
+                index,
+                config.eviction_policy,
             )
             return False
         tracker = _L2Tracker(policy)
@@ -552,7 +564,9 @@ class L2EvictionController(_GuardedLoop):
             if frac < 0 or frac < cfg.trigger_watermark:
                 return
             cands = policy.candidates()
-            victims = pick_by_bytes(cands, e.tracker.size_of, cfg.eviction_ratio * usage.total_bytes_used)
+            victims = pick_by_bytes(
+                cands, e.tracker.size_of, cfg.eviction_ratio * usage.total_bytes_used
+            )
         if victims:
             before = len(e.tracker.sizes)
             e.adapter.delete(victims)
@@ -561,13 +575,20 @@ class L2EvictionController(_GuardedLoop):
     def report_status(self) -> dict[str, Any]:
         with self._lock:
             adapters = {
-                i: {"policy": e.config.eviction_policy, "tracked_keys": e.tracker.policy.num_tracked()}
+                i: {
+                    "policy": e.config.eviction_policy,
+                    "tracked_keys": e.tracker.policy.num_tracked(),
+                }
                 for i, e in self._entries.items()
             }
         return {
             "adapters": adapters,
             "evicted_keys": self.evicted_keys,
-            "eviction": {"cycles": self.cycles, "errors": self.errors,
-                         "consecutive_errors": self.consecutive_errors, "restarts": self.restarts},
+            "eviction": {
+                "cycles": self.cycles,
+                "errors": self.errors,
+                "consecutive_errors": self.consecutive_errors,
+                "restarts": self.restarts,
+            },
             "is_healthy": self.is_healthy,
         }

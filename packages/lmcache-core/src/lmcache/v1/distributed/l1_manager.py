@@ -198,9 +198,9 @@ class L1Manager(L1ManagerInterface):
             now = time.monotonic()
             fresh: list[tuple[ObjectKey, bool]] = []
             reserved: list[ObjectKey] = []
-            phy = (layout_nbytes(layout_desc.shapes, layout_desc.dtypes) + self._allocator.align - 1)
+            phy = layout_nbytes(layout_desc.shapes, layout_desc.dtypes) + self._allocator.align - 1
             phy = phy // self._allocator.align * self._allocator.align
-            for key, tmp in zip(keys, is_temporary):
+            for key, tmp in zip(keys, is_temporary, strict=False):
                 if key in out:
                     continue
                 if key in self._resident:
@@ -228,7 +228,9 @@ class L1Manager(L1ManagerInterface):
                 if i < len(objs):
                     obj = objs[i]
                     obj.set_l1_manager(self.tag)
-                    self._staging.setdefault(key, {})[tag] = _Staged(obj, now + self._write_ttl, tmp)
+                    self._staging.setdefault(key, {})[tag] = _Staged(
+                        obj, now + self._write_ttl, tmp
+                    )
                     out[key] = (L1Error.SUCCESS, obj)
                     reserved.append(key)
                 else:
@@ -292,7 +294,9 @@ class L1Manager(L1ManagerInterface):
             self._fire("on_l1_keys_finish_write_and_reserve_read", done)
         return out
 
-    def finish_write_and_delete(self, keys: list[ObjectKey], tag: str = "") -> dict[ObjectKey, L1Error]:
+    def finish_write_and_delete(
+        self, keys: list[ObjectKey], tag: str = ""
+    ) -> dict[ObjectKey, L1Error]:
         out: dict[ObjectKey, L1Error] = {}
         with self._mu:
             for key in keys:
@@ -309,7 +313,9 @@ class L1Manager(L1ManagerInterface):
 
     # --- reads -------------------------------------------------------------------------------------------
 
-    def reserve_read(self, keys: list[ObjectKey], read_locks: int = 1) -> dict[ObjectKey, L1OperationResult]:
+    def reserve_read(
+        self, keys: list[ObjectKey], read_locks: int = 1
+    ) -> dict[ObjectKey, L1OperationResult]:
         n = max(1, min(MAX_READ_LOCKS, int(read_locks)))
         out: dict[ObjectKey, L1OperationResult] = {}
         with self._mu:
@@ -462,7 +468,9 @@ class L1Manager(L1ManagerInterface):
 
     def get_staging_memory_usage(self) -> int:
         with self._mu:
-            return sum(st.obj.get_physical_size() for t in self._staging.values() for st in t.values())
+            return sum(
+                st.obj.get_physical_size() for t in self._staging.values() for st in t.values()
+            )
 
     def get_l1_memory_desc(self) -> L1MemoryDesc:
         return self._allocator.memory_desc()
@@ -500,7 +508,9 @@ class L1Manager(L1ManagerInterface):
                 "write_locked_count": sum(
                     1 for t in self._staging.values() for st in t.values() if st.deadline > now
                 ),
-                "read_locked_count": sum(1 for e in self._resident.values() if e.read_lock.is_locked()),
+                "read_locked_count": sum(
+                    1 for e in self._resident.values() if e.read_lock.is_locked()
+                ),
                 "memory_used_bytes": used,
                 "memory_total_bytes": total,
                 "memory_usage_ratio": (used / total) if total else 0.0,

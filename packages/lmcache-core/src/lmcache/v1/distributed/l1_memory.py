@@ -62,7 +62,7 @@ def _itemsize(dtype: torch.dtype) -> int:
 
 def layout_nbytes(shapes: Sequence[torch.Size], dtypes: Sequence[torch.dtype]) -> int:
     total = 0
-    for s, d in zip(shapes, dtypes):
+    for s, d in zip(shapes, dtypes, strict=False):
         total += torch.Size(s).numel() * _itemsize(d)
     return total
 
@@ -97,7 +97,7 @@ class AddressManager:
         if nbytes <= 0:
             raise ValueError(f"allocation size must be positive (got {nbytes})")
         need = self.round_up(nbytes)
-        for i, (off, sz) in enumerate(zip(self._offsets, self._sizes)):
+        for i, (off, sz) in enumerate(zip(self._offsets, self._sizes, strict=False)):
             if sz >= need and off + need <= self._limit:
                 if sz == need:
                     del self._offsets[i]
@@ -133,18 +133,26 @@ class AddressManager:
         return self._allocated.get(off)
 
     def largest_free(self) -> int:
-        return max((min(o + s, self._limit) - o for o, s in zip(self._offsets, self._sizes)
-                    if o < self._limit), default=0)
+        return max(
+            (
+                min(o + s, self._limit) - o
+                for o, s in zip(self._offsets, self._sizes, strict=False)
+                if o < self._limit
+            ),
+            default=0,
+        )
 
     def memcheck(self) -> bool:
         """Holes are sorted, disjoint, non-adjacent, and holes + blocks tile the space."""
         prev_end = -1
-        for o, s in zip(self._offsets, self._sizes):
+        for o, s in zip(self._offsets, self._sizes, strict=False):
             if s <= 0 or o <= prev_end:
                 return False
             prev_end = o + s
-        spans = sorted([(o, s) for o, s in zip(self._offsets, self._sizes)]
-                       + list(self._allocated.items()))
+        spans = sorted(
+            [(o, s) for o, s in zip(self._offsets, self._sizes, strict=False)]
+            + list(self._allocated.items())
+        )
         pos = 0
         for o, s in spans:
             if o != pos:
@@ -196,7 +204,10 @@ class _Arena:
             logger.warning(
                 "SHM pool %r NOT used: %s. Fix: enlarge %s (e.g. docker run --shm-size=%dg), "
                 "lower --l1-size-gb, or drop --shm-name.",
-                name, self.shm_disabled_reason, SHM_DIR, -(-size // 2**30) + 1,
+                name,
+                self.shm_disabled_reason,
+                SHM_DIR,
+                -(-size // 2**30) + 1,
             )
             return None
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
@@ -226,12 +237,15 @@ class _Arena:
         if free_pages < need:
             logger.warning(
                 "L1 hugepages requested but only %d free 2 MiB hugepages (need %d); "
-                "using normal pages", free_pages, need,
+                "using normal pages",
+                free_pages,
+                need,
             )
             return None
         try:
-            return mmap.mmap(-1, need * HUGEPAGE_SIZE,
-                             flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_HUGETLB)
+            return mmap.mmap(
+                -1, need * HUGEPAGE_SIZE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_HUGETLB
+            )
         except OSError as exc:
             logger.warning("L1 hugepage mapping failed (%s); using normal pages", exc)
             return None
@@ -277,7 +291,7 @@ class L1Allocator:
             raise ValueError(f"align_bytes must be a power of two (got {align})")
         if use_hugepages and shm_name:
             raise ValueError(
-                "l1-use-hugepages is incompatible with shared memory. Please set --shm-name \"\" "
+                'l1-use-hugepages is incompatible with shared memory. Please set --shm-name "" '
                 "to disable SHM when enabling hugepages."
             )
         if use_hugepages and lazy:
@@ -301,7 +315,9 @@ class L1Allocator:
         self._stop = threading.Event()
         self._grower: threading.Thread | None = None
         if lazy and self._committed < size and grow_in_background:
-            self._grower = threading.Thread(target=self._grow_loop, name="l1-lazy-grow", daemon=True)
+            self._grower = threading.Thread(
+                target=self._grow_loop, name="l1-lazy-grow", daemon=True
+            )
             self._grower.start()
 
     # --- lazy growth -----------------------------------------------------------------------
@@ -343,8 +359,14 @@ class L1Allocator:
 
     # --- allocation ------------------------------------------------------------------------------
 
-    def _make_obj(self, off: int, phy: int, shapes: Sequence[torch.Size],
-                  dtypes: Sequence[torch.dtype], nbytes: int) -> TensorMemoryObj:
+    def _make_obj(
+        self,
+        off: int,
+        phy: int,
+        shapes: Sequence[torch.Size],
+        dtypes: Sequence[torch.dtype],
+        nbytes: int,
+    ) -> TensorMemoryObj:
         meta = MemoryObjMetadata(
             shape=torch.Size(shapes[0]),
             dtype=dtypes[0],
@@ -358,7 +380,9 @@ class L1Allocator:
         raw = self._arena.tensor[off : off + phy]
         return TensorMemoryObj(raw, meta, parent_allocator=self)
 
-    def allocate(self, shapes: Sequence[torch.Size], dtypes: Sequence[torch.dtype]) -> TensorMemoryObj | None:
+    def allocate(
+        self, shapes: Sequence[torch.Size], dtypes: Sequence[torch.dtype]
+    ) -> TensorMemoryObj | None:
         objs = self.batched_allocate(shapes, dtypes, 1)
         return objs[0] if objs else None
 

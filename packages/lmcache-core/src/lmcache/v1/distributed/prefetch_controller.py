@@ -91,8 +91,16 @@ class PrefetchController:
         self._running = 0
         self._control = create_event_notifier()
         self._stop = threading.Event()
-        self.stats = {"requests": 0, "lookup_requests": 0, "load_tasks": 0, "loaded_keys": 0,
-                      "failed_keys": 0, "expired_lookups": 0, "expired_loads": 0, "aborted": 0}
+        self.stats = {
+            "requests": 0,
+            "lookup_requests": 0,
+            "load_tasks": 0,
+            "loaded_keys": 0,
+            "failed_keys": 0,
+            "expired_lookups": 0,
+            "expired_loads": 0,
+            "aborted": 0,
+        }
         self._poller = threading.Thread(target=self._poll_loop, name="prefetch-poller", daemon=True)
         self._poller.start()
         self._workers = [
@@ -104,8 +112,9 @@ class PrefetchController:
 
     # --- public ----------------------------------------------------------------------------------
 
-    def submit(self, spec: PrefetchTaskSpec, external_request_id: str = "",
-               skip_l2: bool = False) -> PrefetchHandle:
+    def submit(
+        self, spec: PrefetchTaskSpec, external_request_id: str = "", skip_l2: bool = False
+    ) -> PrefetchHandle:
         windows = [g.sliding_window_size for g in spec.key_groups]
         total = sum(len(g.keys) for g in spec.key_groups)
         if spec.fetching_policy == "full" and any(w > 0 for w in windows):
@@ -118,9 +127,16 @@ class PrefetchController:
             self._requests[rid] = req
         self.stats["requests"] += 1
         handle = PrefetchHandle(rid, external_request_id, total, time.time(), windows)
-        logger.debug("prefetch %d (%s) submitted: %d rows x %d chunks, policy=%s, lock=%s, skip_l2=%s",
-                     rid, external_request_id, len(spec.key_groups), spec.num_chunks,
-                     spec.fetching_policy, spec.lock_mode.value, skip_l2)
+        logger.debug(
+            "prefetch %d (%s) submitted: %d rows x %d chunks, policy=%s, lock=%s, skip_l2=%s",
+            rid,
+            external_request_id,
+            len(spec.key_groups),
+            spec.num_chunks,
+            spec.fetching_policy,
+            spec.lock_mode.value,
+            skip_l2,
+        )
         if skip_l2 or not self.registry.slots(include_draining=False):
             self._run(req)  # served synchronously from L1
         else:
@@ -186,8 +202,14 @@ class PrefetchController:
         with self._mu:
             self._inflight_by_adapter[idx] = self._inflight_by_adapter.get(idx, 0) + delta
 
-    def submit_and_wait(self, slot: AdapterSlot, kind: str, fn: Callable[[], int],
-                        timeout_s: float, on_late: Callable[[Any], None]) -> Any:
+    def submit_and_wait(
+        self,
+        slot: AdapterSlot,
+        kind: str,
+        fn: Callable[[], int],
+        timeout_s: float,
+        on_late: Callable[[Any], None],
+    ) -> Any:
         """Submit with ``fn`` and wait for the result. Returns None on deadline (``on_late``
         then receives the result when it arrives) or when the submit raised."""
         w = _Waiter(kind)
@@ -198,7 +220,9 @@ class PrefetchController:
                 self._waiters[(slot.index, int(task_id))] = w
         except Exception:
             self._adapter_busy(slot.index, -1)
-            logger.exception("L2 adapter #%d (%s) submit (%s) raised", slot.index, slot.type_name, kind)
+            logger.exception(
+                "L2 adapter #%d (%s) submit (%s) raised", slot.index, slot.type_name, kind
+            )
             return None
         self._control.notify()
         got = w.event.wait(timeout_s if timeout_s > 0 else None)
@@ -216,13 +240,22 @@ class PrefetchController:
         self.stats["expired_lookups" if kind == "lookup" else "expired_loads"] += 1
         n = self._expiries.get(slot.index, 0) + 1
         self._expiries[slot.index] = n
-        logger.warning("L2 adapter #%d (%s) %s missed its deadline (%d in a row)",
-                       slot.index, slot.type_name, kind, n)
+        logger.warning(
+            "L2 adapter #%d (%s) %s missed its deadline (%d in a row)",
+            slot.index,
+            slot.type_name,
+            kind,
+            n,
+        )
         if n >= SUSPEND_AFTER_EXPIRIES:
             self._suspended_until[slot.index] = time.monotonic() + SUSPEND_SECONDS
             self._expiries[slot.index] = 0
-            logger.error("L2 adapter #%d (%s) suspended from prefetch for %.0f s",
-                         slot.index, slot.type_name, SUSPEND_SECONDS)
+            logger.error(
+                "L2 adapter #%d (%s) suspended from prefetch for %.0f s",
+                slot.index,
+                slot.type_name,
+                SUSPEND_SECONDS,
+            )
 
     def _poll_loop(self) -> None:
         poller = select.poll()
@@ -380,12 +413,19 @@ class _RequestRun:
         self.l1_from_lookup = set(self.l1_locked)
 
     def _live_slots(self) -> list[AdapterSlot]:
-        return [s for s in self.ctl.registry.slots(include_draining=False)
-                if not self.ctl.is_suspended(s.index)]
+        return [
+            s
+            for s in self.ctl.registry.slots(include_draining=False)
+            if not self.ctl.is_suspended(s.index)
+        ]
 
     def _lookup_l2(self) -> None:
-        missing = [(r, c) for r in range(self.rows) for c in range(self.cols)
-                   if (r, c) not in self.l1_locked]
+        missing = [
+            (r, c)
+            for r in range(self.rows)
+            for c in range(self.cols)
+            if (r, c) not in self.l1_locked
+        ]
         if not missing or self.req.skip_l2:
             return
         slots = self._live_slots()
@@ -404,8 +444,11 @@ class _RequestRun:
                     slot.adapter.submit_unlock(found)
 
             results[slot.index] = self.ctl.submit_and_wait(
-                slot, "lookup", lambda: submit_lookup(slot.adapter, keys, layouts),
-                self.ctl.lookup_timeout_s, late,
+                slot,
+                "lookup",
+                lambda: submit_lookup(slot.adapter, keys, layouts),
+                self.ctl.lookup_timeout_s,
+                late,
             )
 
         for slot in slots[1:]:
@@ -419,7 +462,9 @@ class _RequestRun:
             bm = results.get(slot.index)
             if not isinstance(bm, Bitmap):
                 continue
-            self.l2_found[slot.index] = {missing[i] for i in bm.get_indices_list() if i < len(missing)}
+            self.l2_found[slot.index] = {
+                missing[i] for i in bm.get_indices_list() if i < len(missing)
+            }
 
     # 2. plan -------------------------------------------------------------------------------------------------
     def _rows_bitmaps(self, cells: set[tuple[int, int]]) -> list[Bitmap]:
@@ -493,8 +538,9 @@ class _RequestRun:
             by_row.setdefault(cell[0], []).append(cell)
         for r, rcells in by_row.items():
             keys = [self.key(c) for c in rcells]
-            res = l1.reserve_write(keys, [tmp] * len(keys), self.spec.key_groups[r].layout_desc,
-                                   self.tag)
+            res = l1.reserve_write(
+                keys, [tmp] * len(keys), self.spec.key_groups[r].layout_desc, self.tag
+            )
             for cell in rcells:
                 err, obj = res.get(self.key(cell), (L1Error.OUT_OF_MEMORY, None))
                 if err is L1Error.SUCCESS and obj is not None:
@@ -531,8 +577,9 @@ class _RequestRun:
         for t in threads:
             t.join()
 
-    def _target_after_failure(self, available: set[tuple[int, int]],
-                              failed: set[tuple[int, int]]) -> set[tuple[int, int]]:
+    def _target_after_failure(
+        self, available: set[tuple[int, int]], failed: set[tuple[int, int]]
+    ) -> set[tuple[int, int]]:
         if self.spec.fetching_policy == "full":
             bad_cols = {c for _r, c in failed}
             return {cell for cell in available if cell[1] not in bad_cols}
@@ -564,8 +611,11 @@ class _RequestRun:
             slot.adapter.submit_unlock(keys)
 
         bm = self.ctl.submit_and_wait(
-            slot, "load", lambda: slot.adapter.submit_load_task(keys, buffers),
-            self.ctl.load_timeout_s, late,
+            slot,
+            "load",
+            lambda: slot.adapter.submit_load_task(keys, buffers),
+            self.ctl.load_timeout_s,
+            late,
         )
         if not isinstance(bm, Bitmap):
             # deadline passed (the poller runs late() when the result arrives) or submit raised
@@ -625,8 +675,11 @@ class _RequestRun:
             self.ctl.l1s[li].touch_keys(keys)
         found = None
         if self.spec.fetching_policy == "full":
-            found = self._rows_bitmaps(set(self.l1_from_lookup) | {
-                c for cells in self.l2_found.values() for c in cells} | set(self.l2_loaded))
+            found = self._rows_bitmaps(
+                set(self.l1_from_lookup)
+                | {c for cells in self.l2_found.values() for c in cells}
+                | set(self.l2_loaded)
+            )
         return PrefetchResult(hit_rows, l1_hits, l2_hits, found, owners)
 
     def _abort(self) -> None:

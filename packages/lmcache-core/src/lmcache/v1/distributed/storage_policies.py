@@ -101,7 +101,9 @@ def create_store_policy(name: str) -> StorePolicy:
     try:
         return _STORE[name]()
     except KeyError:
-        raise ValueError(f"unknown store policy {name!r}. Known: {', '.join(sorted(_STORE))}") from None
+        raise ValueError(
+            f"unknown store policy {name!r}. Known: {', '.join(sorted(_STORE))}"
+        ) from None
 
 
 def register_prefetch_policy(name: str, cls: type[PrefetchPolicy]) -> None:

@@ -67,11 +67,18 @@ class StoreController(L1ManagerListener):
         self._wake = create_event_notifier()
         self._control = create_event_notifier()
         self._stop = threading.Event()
-        self.stats = {"submitted_tasks": 0, "submitted_keys": 0, "completed_tasks": 0,
-                      "failed_tasks": 0, "stored_bytes": 0, "skipped_keys": 0}
+        self.stats = {
+            "submitted_tasks": 0,
+            "submitted_keys": 0,
+            "completed_tasks": 0,
+            "failed_tasks": 0,
+            "stored_bytes": 0,
+            "skipped_keys": 0,
+        }
         l1.register_listener(self)
-        self._thread = threading.Thread(target=self._loop, name=f"store-controller-{l1_index}",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self._loop, name=f"store-controller-{l1_index}", daemon=True
+        )
         self._thread.start()
 
     # --- listener (inside the L1 lock: record and signal only) --------------------------------------
@@ -164,7 +171,10 @@ class StoreController(L1ManagerListener):
                     self._legacy_warned.add(idx)
                     logger.warning(
                         "L2 adapter #%d (%s) returned %r from a store instead of L2StoreResult; "
-                        "normalised (update the plugin)", idx, slot.type_name, raw,
+                        "normalised (update the plugin)",
+                        idx,
+                        slot.type_name,
+                        raw,
                     )
                 self._finish_task(task, result, slot)
 
@@ -174,23 +184,37 @@ class StoreController(L1ManagerListener):
         if result.is_successful():
             self.stats["completed_tasks"] += 1
             self.stats["stored_bytes"] += result.bytes_transferred()
-            logger.debug("L2 store task %d on adapter #%d (%s) done: %d keys, %d bytes",
-                         task.task_id, task.adapter_index, name, len(task.keys),
-                         result.bytes_transferred())
+            logger.debug(
+                "L2 store task %d on adapter #%d (%s) done: %d keys, %d bytes",
+                task.task_id,
+                task.adapter_index,
+                name,
+                len(task.keys),
+                result.bytes_transferred(),
+            )
             deletions = self.policy.select_l1_deletions(task.keys)
             with self._mu:
                 self._delete_after.update(deletions)
         else:
             self.stats["failed_tasks"] += 1
-            logger.warning("L2 store task %d on adapter #%d (%s) failed for %d keys (not retried)",
-                           task.task_id, task.adapter_index, name, len(task.keys))
+            logger.warning(
+                "L2 store task %d on adapter #%d (%s) failed for %d keys (not retried)",
+                task.task_id,
+                task.adapter_index,
+                name,
+                len(task.keys),
+            )
         self._run_deferred_deletions(task.keys)
 
     def _run_deferred_deletions(self, keys: list[ObjectKey]) -> None:
         ready = []
         with self._mu:
             for k in keys:
-                if k in self._delete_after and self._key_refs.get(k, 0) == 0 and not self._queued(k):
+                if (
+                    k in self._delete_after
+                    and self._key_refs.get(k, 0) == 0
+                    and not self._queued(k)
+                ):
                     self._delete_after.discard(k)
                     ready.append(k)
         if ready:
@@ -238,22 +262,34 @@ class StoreController(L1ManagerListener):
                     if not q:
                         break
                     running = sum(1 for (i, _t) in self._inflight if i == slot.index)
-                    if running >= self.max_in_flight:
+                    room = self.max_in_flight - running
+                    if room <= 0:
                         break
                     batch = [q.popleft() for _ in range(min(len(q), MAX_KEYS_PER_TASK))]
-                self._submit(slot, batch)
+                leftover = self._submit(slot, batch, room)
+                if leftover:
+                    with self._mu:
+                        self._per_adapter[slot.index].extendleft(reversed(leftover))
+                    break
         # keys queued for adapters that went away are dropped
         live = {s.index for s in self.registry.slots(include_draining=False)}
         with self._mu:
             for idx in [i for i in self._per_adapter if i not in live]:
                 del self._per_adapter[idx]
 
-    def _submit(self, slot: AdapterSlot, batch: list[ObjectKey]) -> None:
-        # group by (model, kv_rank) again: a batch may span groups queued at different times
+    def _submit(self, slot: AdapterSlot, batch: list[ObjectKey], room: int) -> list[ObjectKey]:
+        """Submit one task per (model, kv_rank) group, at most ``room`` tasks; returns the keys
+        of groups left for later (backpressure)."""
         groups: dict[tuple[str, int], list[ObjectKey]] = defaultdict(list)
         for k in dict.fromkeys(batch):
             groups[(k.model_name, k.kv_rank)].append(k)
-        for keys in groups.values():
+        ordered = list(groups.values())
+        leftover: list[ObjectKey] = []
+        submitted = 0
+        for gi, keys in enumerate(ordered):
+            if submitted >= room:
+                leftover = [k for g in ordered[gi:] for k in g]
+                break
             locked = self.l1.reserve_read(keys)
             ok_keys = [k for k in keys if locked[k][0] is L1Error.SUCCESS]
             objs = [locked[k][1] for k in ok_keys]
@@ -269,18 +305,30 @@ class StoreController(L1ManagerListener):
             try:
                 task_id = slot.adapter.submit_store_task(ok_keys, objs)
             except Exception:
-                logger.exception("L2 adapter #%d (%s) submit_store_task raised; %d keys not stored",
-                                 slot.index, slot.type_name, len(ok_keys))
+                logger.exception(
+                    "L2 adapter #%d (%s) submit_store_task raised; %d keys not stored",
+                    slot.index,
+                    slot.type_name,
+                    len(ok_keys),
+                )
                 self.stats["failed_tasks"] += 1
                 self._release(ok_keys, objs)
                 continue
+            submitted += 1
             with self._mu:
-                self._inflight[(slot.index, task_id)] = _Task(slot.index, task_id, ok_keys, objs,
-                                                              time.monotonic())
+                self._inflight[(slot.index, task_id)] = _Task(
+                    slot.index, task_id, ok_keys, objs, time.monotonic()
+                )
             self.stats["submitted_tasks"] += 1
             self.stats["submitted_keys"] += len(ok_keys)
-            logger.debug("L2 store task %s submitted to adapter #%d (%s): %d keys",
-                         task_id, slot.index, slot.type_name, len(ok_keys))
+            logger.debug(
+                "L2 store task %s submitted to adapter #%d (%s): %d keys",
+                task_id,
+                slot.index,
+                slot.type_name,
+                len(ok_keys),
+            )
+        return leftover
 
     def forget_adapter(self, adapter_index: int) -> None:
         """Release pins of tasks still attributed to a removed adapter."""

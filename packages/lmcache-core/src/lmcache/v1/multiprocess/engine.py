@@ -320,7 +320,7 @@ class CacheEngine:
             shape,
             dtype,
         )
-        if self.shm_disabled_reason:
+        if self.shm_disabled_reason and self.config.shm_name:
             logger.warning(
                 "engine-driven worker %d uses the copy path: SHM is disabled (%s)",
                 payload.instance_id,
@@ -611,6 +611,7 @@ class CacheEngine:
             )
         self._validate(key, aligned=True)
         if key.start == key.end:
+            self.sessions.get(key.request_id)  # a no-op, but it still names the session (TTL)
             return None
         session = self.sessions.touch(key.request_id)
         first, last = key.start // self.cs, key.end // self.cs

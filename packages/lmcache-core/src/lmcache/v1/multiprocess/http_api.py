@@ -63,6 +63,7 @@ def build_app(runtime: Any) -> FastAPI:
             **engine.status(),
             "storage_manager": sm,
             "l1": {"memory_used_bytes": used, "memory_total_bytes": total},
+            "l1_size_bytes": _l1_size(runtime),
             "eviction_policy": _eviction_policy(runtime),
             "transfer_modes": cfg.transfer_modes,
             "engine_driven": {
@@ -296,6 +297,13 @@ def _adapters(runtime: Any) -> list[dict[str, Any]]:
         {"index": i, "type": type(a).__name__, "reconfigurable": False}
         for i, a in enumerate(_adapter_objects(runtime))
     ]
+
+
+def _l1_size(runtime: Any) -> int:
+    try:
+        return int(runtime.storage_config.l1_manager_config.memory_config.size_in_bytes)
+    except AttributeError:
+        return 0
 
 
 def _eviction_policy(runtime: Any) -> str:

@@ -63,7 +63,7 @@ def resolve_kv_wrapper_factory(device_type: str) -> Any:
     spec = _detect()._resolve_device_spec(device_type)
     cls = spec.ipc_wrapper_cls
     if cls is None:
-        raise ValueError("No KV-cache wrapper factory registered for device type %r" % (device_type,))
+        raise ValueError(f"No KV-cache wrapper factory registered for device type {device_type!r}")
     return getattr(cls, "wrap", cls)
 
 
@@ -77,8 +77,13 @@ def synchronize_device(device: Any = None) -> None:
             return
         dev: Any = None
     else:
-        dev = device if isinstance(device, torch.device) else torch.device(device)
-        device_type = dev.type
+        dev = device
+        if not isinstance(device, torch.device):
+            try:
+                dev = torch.device(device)
+            except RuntimeError:  # an out-of-tree type torch has not registered
+                dev = device
+        device_type = dev.type if isinstance(dev, torch.device) else str(dev).split(":", 1)[0]
         if device_type == "cpu":
             return
     spec = _detect()._resolve_device_spec(device_type)

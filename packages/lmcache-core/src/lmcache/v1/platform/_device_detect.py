@@ -67,7 +67,7 @@ def _load_entry_point(ep: Any) -> DeviceSpec:
     backend = _check_name("backend_name", spec.backend_name)
     if backend != ep.name:
         raise ValueError(
-            "entry-point name must match DeviceSpec.backend_name (%r != %r)" % (ep.name, backend)
+            f"entry-point name must match DeviceSpec.backend_name ({ep.name!r} != {backend!r})"
         )
     return spec
 
@@ -96,7 +96,9 @@ def _load_external_device_specs() -> list[tuple[DeviceSpec, BackendSource]]:
             spec = _load_entry_point(ep)
         except Exception as exc:
             reason = f"{type(exc).__name__}: {exc}"
-            logger.warning("Failed to load LMCache device plugin %r (%s): %s", ep.name, ep.value, reason)
+            logger.warning(
+                "Failed to load LMCache device plugin %r (%s): %s", ep.name, ep.value, reason
+            )
             logger.debug("traceback of device plugin %r", ep.name, exc_info=True)
             failed.append((ep.name, ep.value, reason))
             continue
@@ -120,7 +122,7 @@ def _builtin_specs() -> list[DeviceSpec]:
     return [CpuDeviceSpec()]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _build_backend_registry() -> dict[str, DeviceSpec]:
     """``backend_name -> spec`` in registration order; duplicates keep the first."""
     registry: dict[str, DeviceSpec] = {}
@@ -128,7 +130,10 @@ def _build_backend_registry() -> dict[str, DeviceSpec]:
     candidates: list[tuple[DeviceSpec, BackendSource]] = [
         (s, BackendSource("built-in")) for s in _builtin_specs()
     ]
-    candidates += [(s, BackendSource("test", value=type(s).__qualname__)) for s in _test_specs]
+    candidates += [
+        (s, BackendSource("test", value=type(s).__qualname__, first_party=False))
+        for s in _test_specs
+    ]
     candidates += _load_external_device_specs()
     for spec, source in candidates:
         name = spec.backend_name
@@ -148,7 +153,7 @@ def _build_backend_registry() -> dict[str, DeviceSpec]:
     return registry
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _build_device_registry() -> dict[str, tuple[DeviceSpec, ...]]:
     """``device_type -> (specs...)`` in registration order."""
     out: dict[str, list[DeviceSpec]] = {}
@@ -224,9 +229,10 @@ def _usable(specs: tuple[DeviceSpec, ...], torch: Any, device_type: str) -> list
 
 def _multiple_error(device_type: str, specs: list[DeviceSpec]) -> RuntimeError:
     return RuntimeError(
-        "Multiple LMCache backends are available for device_type %r: %s. Set "
-        "LMCACHE_DEVICE_BACKEND=<backend_name> to choose one explicitly."
-        % (device_type, ", ".join(s.backend_name for s in specs))
+        "Multiple LMCache backends are available for device_type {!r}: {}. Set "
+        "LMCACHE_DEVICE_BACKEND=<backend_name> to choose one explicitly.".format(
+            device_type, ", ".join(s.backend_name for s in specs)
+        )
     )
 
 
@@ -247,18 +253,16 @@ def _detect_device() -> tuple[Any, str, str | None]:
         if spec is None:
             names = ", ".join(sorted(backends)) or "<none>"
             raise RuntimeError(
-                "LMCACHE_DEVICE_BACKEND=%r is not registered. Available backends: %s."
-                % (explicit, names)
+                f"LMCACHE_DEVICE_BACKEND={explicit!r} is not registered. Available backends: {names}."
             )
         if not _probe(spec):
             raise RuntimeError(
-                "LMCACHE_DEVICE_BACKEND=%r is registered but not available on this host." % explicit
+                f"LMCACHE_DEVICE_BACKEND={explicit!r} is registered but not available on this host."
             )
         module = getattr(torch, spec.torch_module_name, None)
         if module is None:
             raise RuntimeError(
-                "LMCACHE_DEVICE_BACKEND=%r resolved to device_type=%r, but torch has no module %r."
-                % (explicit, spec.device_type, spec.torch_module_name)
+                f"LMCACHE_DEVICE_BACKEND={explicit!r} resolved to device_type={spec.device_type!r}, but torch has no module {spec.torch_module_name!r}."
             )
         return module, spec.device_type, spec.backend_name
 
@@ -297,7 +301,7 @@ def _detect_device() -> tuple[Any, str, str | None]:
     return getattr(torch, spec.torch_module_name), spec.device_type, spec.backend_name
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _detected() -> tuple[Any, str, str | None]:
     global _detection_done
     result = _detect_device()
@@ -305,7 +309,7 @@ def _detected() -> tuple[Any, str, str | None]:
     return result
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def get_torch_device() -> tuple[Any, str]:
     """(torch_dev, torch_device_type) of this process, detected once; logged once."""
     module, device_type, _backend = _detected()
@@ -375,10 +379,10 @@ def _fallback() -> DeviceSpec:
 
 def _no_spec_error(device_type: str) -> RuntimeError:
     return RuntimeError(
-        "No DeviceSpec registered for accelerator %r; refusing to silently fall back to the "
+        f"No DeviceSpec registered for accelerator {device_type!r}; refusing to silently fall back to the "
         "torch baseline on accelerator hardware. Ensure a built-in backend or an installed "
         "lmcache.device_plugins entry point defines this device. Install the "
-        "lmcache-%s wheel if one exists." % (device_type, device_type)
+        f"lmcache-{device_type} wheel if one exists."
     )
 
 
@@ -403,9 +407,10 @@ def _resolve_device_spec(device_type: str) -> DeviceSpec:
             return available[0]
         if len(available) > 1:
             raise RuntimeError(
-                "Multiple DeviceSpec backends are available for accelerator %r: %s. Set "
-                "LMCACHE_DEVICE_BACKEND=<backend_name> to choose one explicitly."
-                % (device_type, ", ".join(s.backend_name for s in available))
+                "Multiple DeviceSpec backends are available for accelerator {!r}: {}. Set "
+                "LMCACHE_DEVICE_BACKEND=<backend_name> to choose one explicitly.".format(
+                    device_type, ", ".join(s.backend_name for s in available)
+                )
             )
         for spec in specs:
             if spec.backend_name == device_type:
@@ -419,7 +424,7 @@ def resolve_device_ops(device_type: str) -> Any:
     return _resolve_device_spec(device_type).get_ops()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def current_device_spec() -> DeviceSpec:
     """Spec of the detected backend (a function here; an instance in the facade)."""
     _module, device_type, backend = _detected()
@@ -446,7 +451,9 @@ def reset_caches() -> None:
         get_torch_device,
         current_device_spec,
     ):
-        fn.cache_clear()
+        clear = getattr(fn, "cache_clear", None)
+        if clear is not None:  # tests may monkeypatch these functions
+            clear()
     with _state_lock:
         _failed.clear()
         _sources.clear()

@@ -48,9 +48,7 @@ def create_cache_context(
         raise ValueError("create_cache_context requires a non-empty kv_caches list")
     types = sorted({_device_type_of(layer) for layer in layers})
     if len(types) != 1:
-        raise ValueError(
-            f"all KV caches must share one device type; got {', '.join(types)}"
-        )
+        raise ValueError(f"all KV caches must share one device type; got {', '.join(types)}")
     device_type = types[0]
     args = (
         layers,
@@ -69,7 +67,7 @@ def create_cache_context(
     spec = get_device_spec(device_type)
     if spec is None:
         raise ValueError(
-            "No cache-context class registered for device type %r. Install the device wheel "
-            "that provides it, or use the engine_driven transfer mode." % (device_type,)
+            f"No cache-context class registered for device type {device_type!r}. Install the device wheel "
+            "that provides it, or use the engine_driven transfer mode."
         )
     return spec.create_cache_context(*args)

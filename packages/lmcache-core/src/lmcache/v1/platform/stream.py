@@ -12,9 +12,7 @@ from typing import Any
 def _spec_for(device: Any) -> Any:
     from lmcache.v1.platform._device_detect import _resolve_device_spec, get_torch_device
 
-    if device is None:
-        device_type = get_torch_device()[1]
-    elif isinstance(device, int) and not isinstance(device, bool):
+    if device is None or isinstance(device, int) and not isinstance(device, bool):
         device_type = get_torch_device()[1]
     elif hasattr(device, "type"):
         device_type = str(device.type)
@@ -28,7 +26,10 @@ def _torch_device(device: Any) -> Any:
         return device
     import torch
 
-    return torch.device(device)
+    try:
+        return torch.device(device)
+    except RuntimeError:  # an out-of-tree type torch has not registered (e.g. fakes)
+        return device
 
 
 def current_stream(device: Any = None) -> Any:

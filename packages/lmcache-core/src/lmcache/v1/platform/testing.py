@@ -27,7 +27,9 @@ __all__ = [
 class FakeStream:
     """A stream object; records waits and synchronizes into its module's counters."""
 
-    def __init__(self, device: Any = None, priority: int = 0, *, _module: Any = None, handle: int = 0):
+    def __init__(
+        self, device: Any = None, priority: int = 0, *, _module: Any = None, handle: int = 0
+    ):
         self.device = device
         self.priority = priority
         self._module = _module
@@ -100,7 +102,9 @@ class FakeIPCEvent(FakeEvent):
     _counter = 0
     _lock = threading.Lock()
 
-    def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False):
+    def __init__(
+        self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False
+    ):
         super().__init__(enable_timing, blocking)
         self.interprocess = interprocess
 
@@ -122,7 +126,14 @@ class FakeIPCEvent(FakeEvent):
 class FakeDeviceModule(types.ModuleType):
     """Stands in for ``torch.<name>``; counters let tests check ordering calls."""
 
-    def __init__(self, name: str, *, available: bool = True, device_count: int = 1, with_ipc_events: bool = False):
+    def __init__(
+        self,
+        name: str,
+        *,
+        available: bool = True,
+        device_count: int = 1,
+        with_ipc_events: bool = False,
+    ):
         super().__init__(f"torch.{name}")
         self.device_name = name
         self.available = available
@@ -194,7 +205,9 @@ class FakeDeviceModule(types.ModuleType):
     def get_device_properties(self, device: Any = None) -> types.SimpleNamespace:
         idx = int(getattr(device, "index", device) or 0)
         return types.SimpleNamespace(
-            name=f"fake-{self.device_name}", uuid=f"fake-{self.device_name}-{idx:04d}", total_memory=0
+            name=f"fake-{self.device_name}",
+            uuid=f"fake-{self.device_name}-{idx:04d}",
+            total_memory=0,
         )
 
 
@@ -248,7 +261,15 @@ def install_fake_device(
     restore: list[tuple[Any, str, Any]] = []
 
     def patch(obj: Any, attr: str, value: Any) -> None:
-        restore.append((obj, attr, obj.__dict__.get(attr, _MISSING) if hasattr(obj, "__dict__") else getattr(obj, attr, _MISSING)))
+        restore.append(
+            (
+                obj,
+                attr,
+                obj.__dict__.get(attr, _MISSING)
+                if hasattr(obj, "__dict__")
+                else getattr(obj, attr, _MISSING),
+            )
+        )
         setattr(obj, attr, value)
 
     existing = getattr(torch, name, None)

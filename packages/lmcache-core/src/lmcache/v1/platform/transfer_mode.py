@@ -42,7 +42,7 @@ def _parse(value: Any) -> MPTransferMode:
         return MPTransferMode(text)
     except ValueError:
         raise ValueError(
-            "Invalid MP transfer mode %r (valid: auto, engine_driven, lmcache_driven)" % (value,)
+            f"Invalid MP transfer mode {value!r} (valid: auto, engine_driven, lmcache_driven)"
         ) from None
 
 

@@ -36,7 +36,9 @@ def _renameat2_noreplace(src: str, dst: str) -> None:
     global _libc
     if _libc is None:
         _libc = ctypes.CDLL(None, use_errno=True)
-    rc = _libc.renameat2(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), _RENAME_NOREPLACE)
+    rc = _libc.renameat2(
+        _AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), _RENAME_NOREPLACE
+    )
     if rc != 0:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err), dst)

@@ -100,7 +100,7 @@ class FSL2AdapterConfig(L2AdapterConfigBase):
     @classmethod
     def help(cls) -> str:
         return (
-            'fs: files on a local or shared file system (Python).\n'
+            "fs: files on a local or shared file system (Python).\n"
             'Example: {"type":"fs","base_path":"/data/lmcache"}\n'
             + _COMMON_HELP
             + "  num_workers       (int, 8)         keys of one task processed concurrently\n"

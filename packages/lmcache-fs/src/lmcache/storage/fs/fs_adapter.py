@@ -134,11 +134,20 @@ class FSL2Adapter(L2AdapterInterface):
 
     def _on_recovered(self, keys: list[ObjectKey], sizes: list[int]) -> None:
         with self._lock:
-            fresh = [(k, s) for k, s in zip(keys, sizes) if k not in self._sizes]
+            fresh = [(k, s) for k, s in zip(keys, sizes, strict=False) if k not in self._sizes]
             for k, s in fresh:
                 self._sizes[k] = s
         if fresh:
             self._notify_keys_stored([k for k, _ in fresh], [s for _, s in fresh])
+
+    def register_listener(self, listener: Any) -> None:
+        """Also replays the keys already known (recovered or stored) to the new listener, so
+        an eviction controller attached after start-up still tracks every file."""
+        super().register_listener(listener)
+        with self._lock:
+            known = list(self._sizes.items())
+        if known:
+            listener.on_l2_keys_stored([k for k, _ in known], [s for _, s in known])
 
     def _submit(self, fn: Any, *args: Any) -> None:
         try:
@@ -154,7 +163,7 @@ class FSL2Adapter(L2AdapterInterface):
             self._finish_store(tid, [], _Batch(0))
             return tid
         batch = _Batch(len(keys))
-        for i, (key, obj) in enumerate(zip(keys, objects)):
+        for i, (key, obj) in enumerate(zip(keys, objects, strict=False)):
             self._submit(self._store_one, tid, keys, batch, i, key, obj)
         return tid
 
@@ -180,7 +189,7 @@ class FSL2Adapter(L2AdapterInterface):
     def _finish_store(self, tid: L2TaskId, keys: list[ObjectKey], batch: _Batch) -> None:
         new: list[tuple[ObjectKey, int]] = []
         with self._lock:
-            for key, n in zip(keys, batch.new_bytes):
+            for key, n in zip(keys, batch.new_bytes, strict=False):
                 if n > 0 and key not in self._sizes:
                     self._sizes[key] = n
                     new.append((key, n))
@@ -258,7 +267,7 @@ class FSL2Adapter(L2AdapterInterface):
             self._load_notifier.notify()
             return tid
         batch = _Batch(len(keys))
-        for i, (key, obj) in enumerate(zip(keys, objects)):
+        for i, (key, obj) in enumerate(zip(keys, objects, strict=False)):
             self._submit(self._load_one, tid, keys, batch, i, key, obj)
         return tid
 

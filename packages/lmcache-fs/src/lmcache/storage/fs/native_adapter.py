@@ -62,11 +62,19 @@ class FSNativeL2Adapter(NativeConnectorL2Adapter):
     def _recovered(self, keys: list[ObjectKey], sizes: list[int]) -> None:
         # Register with the bridge's size table so deletes later report the same sizes.
         with self._lock:
-            fresh = [(k, s) for k, s in zip(keys, sizes) if k not in self._known]
+            fresh = [(k, s) for k, s in zip(keys, sizes, strict=False) if k not in self._known]
             for k, s in fresh:
                 self._known[k] = s
         if fresh:
             self._notify_keys_stored([k for k, _ in fresh], [s for _, s in fresh])
+
+    def register_listener(self, listener: Any) -> None:
+        """Also replays the keys already known to the new listener (see FSL2Adapter)."""
+        super().register_listener(listener)
+        with self._lock:
+            known = list(self._known.items())
+        if known:
+            listener.on_l2_keys_stored([k for k, _ in known], [s for _, s in known])
 
     def _status(self) -> dict[str, Any]:
         return {"base_path": self._base_path, "scan": self._scan.as_dict()}

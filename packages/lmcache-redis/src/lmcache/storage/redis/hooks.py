@@ -43,6 +43,4 @@ def create_resp_adapter(config: RESPL2AdapterConfig, l1_memory_desc: Any = None)
 
 @hookimpl
 def lmcache_l2_adapter_types() -> list[L2AdapterTypeSpec]:
-    return [
-        L2AdapterTypeSpec("resp", RESPL2AdapterConfig, create_resp_adapter, aliases=("redis",))
-    ]
+    return [L2AdapterTypeSpec("resp", RESPL2AdapterConfig, create_resp_adapter, aliases=("redis",))]

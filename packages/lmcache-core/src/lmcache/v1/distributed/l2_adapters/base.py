@@ -192,7 +192,7 @@ class L2AdapterInterface(abc.ABC):
             raise ValueError(f"keys and sizes differ in length ({len(keys)} != {len(sizes)})")
         self._ensure_base_state()
         with self._usage_lock:
-            for k, s in zip(keys, sizes):
+            for k, s in zip(keys, sizes, strict=False):
                 s = int(s)
                 self._total_bytes_used += s
                 if s:
@@ -221,7 +221,7 @@ class L2AdapterInterface(abc.ABC):
         self._ensure_base_state()
         underflow = False
         with self._usage_lock:
-            for k, s in zip(keys, sizes):
+            for k, s in zip(keys, sizes, strict=False):
                 s = int(s)
                 if s > self._total_bytes_used:
                     underflow = True
@@ -245,4 +245,3 @@ class L2AdapterInterface(abc.ABC):
                 listener.on_l2_keys_deleted(list(keys))
             except Exception:
                 logger.exception("L2 listener failed in on_l2_keys_deleted")
-

@@ -40,7 +40,9 @@ __all__ = [
     "register_l2_adapter_type",
 ]
 
-GENERIC_FIELDS = frozenset({"type", "affinity_tag", "shared", "eviction", "persist_enabled", "serde"})
+GENERIC_FIELDS = frozenset(
+    {"type", "affinity_tag", "shared", "eviction", "persist_enabled", "serde"}
+)
 
 
 @dataclass
@@ -131,7 +133,9 @@ class L2AdapterConfigBase(abc.ABC):
             raise ValueError("per_op_workers must be a dict")
         for k, v in m.items():
             if isinstance(v, bool) or not isinstance(v, int):
-                raise ValueError(f"per_op_workers[{k!r}] must be an integer, got {type(v).__name__}")
+                raise ValueError(
+                    f"per_op_workers[{k!r}] must be an integer, got {type(v).__name__}"
+                )
         return L2AdapterConfigBase._validate_per_op_workers(m)
 
 
@@ -265,7 +269,9 @@ def _warn_unknown_fields(i: int, t: str, cls: type, d: dict[str, Any]) -> None:
         logger.warning("--l2-adapter #%d (type %r): unknown field %r ignored%s", i, t, k, hint)
 
 
-def build_config_from_dict(cls: type[L2AdapterConfigBase], d: dict[str, Any]) -> L2AdapterConfigBase:
+def build_config_from_dict(
+    cls: type[L2AdapterConfigBase], d: dict[str, Any]
+) -> L2AdapterConfigBase:
     """``cls.from_dict`` plus the generic fields (affinity_tag, shared, eviction, persist, serde)."""
     cfg = cls.from_dict({k: v for k, v in d.items() if k != "affinity_tag"})
     tag = d.get("affinity_tag", "_default")
@@ -301,7 +307,13 @@ def parse_l2_adapter_dict(i: int, d: Any) -> L2AdapterConfigBase:
     except (TypeError, ValueError) as exc:
         rule = "-" * 60
         logger.error(
-            "Error parsing --l2-adapter #%d (type %r): %s\n%s\n%s\n%s", i, t, exc, rule, cls.help(), rule
+            "Error parsing --l2-adapter #%d (type %r): %s\n%s\n%s\n%s",
+            i,
+            t,
+            exc,
+            rule,
+            cls.help(),
+            rule,
         )
         raise ValueError(f"--l2-adapter #{i} ({t!r}): {exc}") from exc
     return cfg

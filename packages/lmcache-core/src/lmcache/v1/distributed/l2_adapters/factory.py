@@ -119,12 +119,19 @@ def _plugin_manager() -> pluggy.PluginManager:
     return _PM
 
 
+_EP_CACHE: list[importlib.metadata.EntryPoint] | None = None
+
+
 def _entry_points() -> list[importlib.metadata.EntryPoint]:
+    global _EP_CACHE
+    if _EP_CACHE is not None:
+        return _EP_CACHE
     eps = importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)
     seen: dict[str, importlib.metadata.EntryPoint] = {}
     for ep in eps:
         seen.setdefault(ep.name, ep)  # first on sys.path wins, like the import system
-    return sorted(seen.values(), key=lambda e: e.name)
+    _EP_CACHE = sorted(seen.values(), key=lambda e: e.name)
+    return _EP_CACHE
 
 
 def _dist_of(ep: importlib.metadata.EntryPoint) -> tuple[str | None, str | None]:
@@ -156,7 +163,9 @@ def _validate_spec(spec: Any) -> str | None:
         return f"hook returned {type(spec).__name__}, not L2AdapterTypeSpec"
     if not isinstance(spec.name, str) or not spec.name:
         return "spec has an empty name"
-    if not (isinstance(spec.config_class, type) and issubclass(spec.config_class, L2AdapterConfigBase)):
+    if not (
+        isinstance(spec.config_class, type) and issubclass(spec.config_class, L2AdapterConfigBase)
+    ):
         return f"spec {spec.name!r}: config_class is not an L2AdapterConfigBase subclass"
     if not callable(spec.factory):
         return f"spec {spec.name!r}: factory is not callable"
@@ -170,7 +179,7 @@ def _load_entry_point(ep: importlib.metadata.EntryPoint) -> None:
         _EP_DONE.add(ep.name)
     try:
         obj = ep.load()
-    except Exception as exc:  # noqa: BLE001 - any import failure is the plugin's problem
+    except Exception as exc:
         _fail(ep, f"import failed: {type(exc).__name__}: {exc}")
         return
     pm = _plugin_manager()
@@ -181,7 +190,7 @@ def _load_entry_point(ep: importlib.metadata.EntryPoint) -> None:
         for impl in pm.hook.lmcache_l2_adapter_types.get_hookimpls():
             if impl.plugin is obj:
                 specs.extend(impl.function() or [])
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         _fail(ep, f"hook failed: {type(exc).__name__}: {exc}")
         return
     if not specs:
@@ -193,8 +202,16 @@ def _load_entry_point(ep: importlib.metadata.EntryPoint) -> None:
         if problem:
             _fail(ep, problem)
             continue
-        _register_spec(spec, {"source": "entry point", "distribution": dist, "version": version,
-                              "entry_point": ep.name}, ep)
+        _register_spec(
+            spec,
+            {
+                "source": "entry point",
+                "distribution": dist,
+                "version": version,
+                "entry_point": ep.name,
+            },
+            ep,
+        )
 
 
 def _register_spec(spec: L2AdapterTypeSpec, origin: dict[str, Any], ep: Any) -> None:
@@ -279,13 +296,17 @@ def describe_l2_adapter_types() -> list[dict[str, Any]]:
         for name in sorted(_FACTORIES):
             origin = _ORIGINS.get(name, {})
             source = origin.get("source", "built-in")
-            out.append({
-                "name": name,
-                "aliases": list(_cfg.aliases_of(name)),
-                "source": source,
-                "distribution": origin.get("distribution") if source == "entry point" else "lmcache-core",
-                "version": origin.get("version") if source == "entry point" else None,
-            })
+            out.append(
+                {
+                    "name": name,
+                    "aliases": list(_cfg.aliases_of(name)),
+                    "source": source,
+                    "distribution": origin.get("distribution")
+                    if source == "entry point"
+                    else "lmcache-core",
+                    "version": origin.get("version") if source == "entry point" else None,
+                }
+            )
     return out
 
 
@@ -300,8 +321,9 @@ def refresh_l2_adapter_plugins() -> None:
     """Forget entry-point results and rescan (after installing a wheel at runtime, and in tests).
 
     Types already registered by entry points are removed so they can register again."""
-    global _PM
+    global _PM, _EP_CACHE
     with _LOCK:
+        _EP_CACHE = None
         for name, origin in list(_ORIGINS.items()):
             if origin.get("source") == "entry point":
                 _FACTORIES.pop(name, None)

@@ -65,7 +65,8 @@ class FaultInjectL2AdapterConfig(L2AdapterConfigBase):
             raise ValueError("gap_indices must be a list of non-negative integers")
         tails = d.get("gap_tail_ratios", [])
         if not isinstance(tails, list) or any(
-            isinstance(r, bool) or not isinstance(r, (int, float)) or not 0.0 <= r <= 1.0 for r in tails
+            isinstance(r, bool) or not isinstance(r, (int, float)) or not 0.0 <= r <= 1.0
+            for r in tails
         ):
             raise ValueError("gap_tail_ratios must be a list of floats in [0, 1]")
         inner_cls = get_l2_adapter_config_class(inner["type"])
@@ -216,7 +217,9 @@ class FaultInjectL2Adapter(L2AdapterInterface):
         self._inner.close()
 
 
-def _create(config: L2AdapterConfigBase, l1_memory_desc: L1MemoryDesc | None) -> FaultInjectL2Adapter:
+def _create(
+    config: L2AdapterConfigBase, l1_memory_desc: L1MemoryDesc | None
+) -> FaultInjectL2Adapter:
     assert isinstance(config, FaultInjectL2AdapterConfig)
     return FaultInjectL2Adapter(config, l1_memory_desc)
 

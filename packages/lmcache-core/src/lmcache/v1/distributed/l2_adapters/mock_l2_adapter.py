@@ -120,7 +120,7 @@ class MockL2Adapter(L2AdapterInterface):
             self._delay(sum(len(p) for p in payload))
             new_keys, new_sizes = [], []
             with self._mu:
-                for k, data in zip(keys, payload):
+                for k, data in zip(keys, payload, strict=False):
                     if k in self._data:
                         continue
                     if self._used + len(data) > self._max_capacity_bytes:
@@ -177,7 +177,7 @@ class MockL2Adapter(L2AdapterInterface):
             bm = Bitmap(len(keys))
             loaded = []
             total = 0
-            for i, (k, o) in enumerate(zip(keys, objects)):
+            for i, (k, o) in enumerate(zip(keys, objects, strict=False)):
                 with self._mu:
                     data = self._data.get(k)
                 if data is None:

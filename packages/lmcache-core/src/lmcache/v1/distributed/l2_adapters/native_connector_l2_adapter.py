@@ -93,7 +93,9 @@ class NativeConnectorL2Adapter(L2AdapterInterface):
         self._healthy = True
         self._demux_errors = 0
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._demux_loop, name="l2-adapter-demux", daemon=True)
+        self._thread = threading.Thread(
+            target=self._demux_loop, name="l2-adapter-demux", daemon=True
+        )
         self._thread.start()
 
     # --- fds -----------------------------------------------------------------------------
@@ -122,8 +124,13 @@ class NativeConnectorL2Adapter(L2AdapterInterface):
         view = obj.byte_array
         return view, len(view)
 
-    def _submit(self, op: str, keys: list[ObjectKey], objects: list[MemoryObj] | None,
-                waiter: threading.Event | None = None) -> int:
+    def _submit(
+        self,
+        op: str,
+        keys: list[ObjectKey],
+        objects: list[MemoryObj] | None,
+        waiter: threading.Event | None = None,
+    ) -> int:
         task_id = self._ids.next()
         if not keys:
             self._complete_locally(op, task_id, waiter)
@@ -152,11 +159,13 @@ class NativeConnectorL2Adapter(L2AdapterInterface):
                 logger.warning("%s submit_batch (%s) raised: %s", self._type_name, op, exc)
                 fid = None
             if fid is not None:
-                self._pending[int(fid)] = _Pending(op, task_id, len(keys), list(keys), sizes, views,
-                                                    waiter)
+                self._pending[int(fid)] = _Pending(
+                    op, task_id, len(keys), list(keys), sizes, views, waiter
+                )
         if fid is None:
-            self._route(_Pending(op, task_id, len(keys), list(keys), sizes, views, waiter),
-                        False, None)
+            self._route(
+                _Pending(op, task_id, len(keys), list(keys), sizes, views, waiter), False, None
+            )
         return task_id
 
     def _complete_locally(self, op: str, task_id: int, waiter: threading.Event | None) -> None:
@@ -169,7 +178,7 @@ class NativeConnectorL2Adapter(L2AdapterInterface):
             new_keys, new_sizes, old_keys = [], [], []
             if ok:
                 with self._lock:
-                    for k, s in zip(p.keys, p.sizes):
+                    for k, s in zip(p.keys, p.sizes, strict=False):
                         if k in self._known:
                             old_keys.append(k)
                         else:
@@ -238,10 +247,14 @@ class NativeConnectorL2Adapter(L2AdapterInterface):
                     with self._lock:
                         p = self._pending.pop(int(fid), None)
                     if p is None:
-                        logger.warning("%s: completion for unknown future id %s", self._type_name, fid)
+                        logger.warning(
+                            "%s: completion for unknown future id %s", self._type_name, fid
+                        )
                         continue
                     if not ok and error:
-                        logger.debug("%s %s future %s failed: %s", self._type_name, p.op, fid, error)
+                        logger.debug(
+                            "%s %s future %s failed: %s", self._type_name, p.op, fid, error
+                        )
                     self._route(p, bool(ok), list(bools) if bools is not None else None)
                 self._demux_errors = 0
             except Exception:

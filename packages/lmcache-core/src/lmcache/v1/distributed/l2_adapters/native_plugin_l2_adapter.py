@@ -92,7 +92,9 @@ def create_native_plugin_l2_adapter(
     )
 
 
-def _create(config: L2AdapterConfigBase, l1_memory_desc: L1MemoryDesc | None) -> NativeConnectorL2Adapter:
+def _create(
+    config: L2AdapterConfigBase, l1_memory_desc: L1MemoryDesc | None
+) -> NativeConnectorL2Adapter:
     assert isinstance(config, NativePluginL2AdapterConfig)
     return create_native_plugin_l2_adapter(config, l1_memory_desc)
 

@@ -158,7 +158,9 @@ def create_plugin_l2_adapter(
 ) -> L2AdapterInterface:
     module, cls = import_plugin_class(cfg.module_path, cfg.class_name)
     if not (isinstance(cls, type) and issubclass(cls, L2AdapterInterface)):
-        raise TypeError(f"{cfg.module_path}.{cfg.class_name} is not a subclass of L2AdapterInterface")
+        raise TypeError(
+            f"{cfg.module_path}.{cfg.class_name} is not a subclass of L2AdapterInterface"
+        )
     cfg_cls = _resolve_config_class(module, cls, cfg)
     arg: Any = cfg_cls.from_dict(dict(cfg.adapter_params)) if cfg_cls else dict(cfg.adapter_params)
     kw: dict[str, Any] = {}

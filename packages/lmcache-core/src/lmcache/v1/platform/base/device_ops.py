@@ -223,8 +223,7 @@ class DeviceOps:
     def tensor_from_ptr(self, ptr, shape, dtype, device=None):
         # No generic implementation: only the backend knows its address space.
         raise ValueError(
-            "Device backend %r does not support tensor construction from raw pointers."
-            % (self.device_type or type(self).__name__,)
+            f"Device backend {self.device_type or type(self).__name__!r} does not support tensor construction from raw pointers."
         )
 
     def record_completion_on_stream(self, cuda_stream_ptr, kind, payload):
@@ -292,7 +291,12 @@ class DeviceOps:
         token_major=False,
     ):
         return _t().single_layer_kv_transfer_sgl(
-            lmc_key_value_cache, sgl_key_cache, sgl_value_cache, slot_mapping, direction, token_major
+            lmc_key_value_cache,
+            sgl_key_cache,
+            sgl_value_cache,
+            slot_mapping,
+            direction,
+            token_major,
         )
 
     def load_and_reshape_flash(self, key_value, key_cache, value_cache, slot_mapping, layer_idx):
@@ -351,7 +355,7 @@ def resolve_kv_transfer_operands(ops: Any) -> tuple[str, int | None]:
             )
         mode = declared
     else:
-        op = getattr(ops, "multi_layer_block_kv_transfer")
+        op = ops.multi_layer_block_kv_transfer
         func = getattr(op, "__func__", op)
         if func is DeviceOps.multi_layer_block_kv_transfer or func is getattr(
             _t(), "multi_layer_block_kv_transfer", None

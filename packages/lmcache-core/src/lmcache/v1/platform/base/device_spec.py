@@ -178,8 +178,7 @@ class DeviceSpec:
 
     def create_cache_context(self, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError(
-            "DeviceSpec for device_type=%r does not provide a BaseCacheContext implementation."
-            % (self.device_type,)
+            f"DeviceSpec for device_type={self.device_type!r} does not provide a BaseCacheContext implementation."
         )
 
     # ---- host pinning ------------------------------------------------------------------

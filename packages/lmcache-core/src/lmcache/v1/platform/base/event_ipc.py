@@ -35,7 +35,11 @@ _EXPORTED_RING = 2048
 
 
 def _accepts_interprocess(event_cls: Any) -> bool:
-    for target in (event_cls, getattr(event_cls, "__init__", None), getattr(event_cls, "__new__", None)):
+    for target in (
+        event_cls,
+        getattr(event_cls, "__init__", None),
+        getattr(event_cls, "__new__", None),
+    ):
         if target is None:
             continue
         try:
@@ -75,9 +79,7 @@ class DefaultEventIPCBackend:
                 f"event IPC unsupported on {where}: Event does not accept interprocess=True"
             )
         if not hasattr(event_cls, "from_ipc_handle"):
-            raise RuntimeError(
-                f"event IPC unsupported on {where}: Event has no from_ipc_handle"
-            )
+            raise RuntimeError(f"event IPC unsupported on {where}: Event has no from_ipc_handle")
 
     def create_event(self, device: Any) -> Any:
         return self.event_module.Event(interprocess=True)
@@ -126,8 +128,8 @@ def get_event_ipc_backend(device: Any) -> EventIPCBackend:
     device_type = _device_type_of(device)
     spec = get_device_spec(device_type)
     if spec is None:
-        raise RuntimeError("No DeviceSpec registered for device type %r." % (device_type,))
+        raise RuntimeError(f"No DeviceSpec registered for device type {device_type!r}.")
     backend = spec.event_ipc_backend
     if backend is None:
-        raise RuntimeError("Device type %r does not support event IPC." % (device_type,))
+        raise RuntimeError(f"Device type {device_type!r} does not support event IPC.")
     return backend

@@ -118,8 +118,8 @@ def reset_wire_registry() -> None:
 
 def _unknown_tag(tag: Any) -> ValueError:
     return ValueError(
-        "Unknown IPC wrapper wire tag %r: no installed device backend registers it; install "
-        "the device wheel that provides it on both worker and server" % (tag,)
+        f"Unknown IPC wrapper wire tag {tag!r}: no installed device backend registers it; install "
+        "the device wheel that provides it on both worker and server"
     )
 
 

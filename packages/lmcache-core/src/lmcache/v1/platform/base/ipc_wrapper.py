@@ -30,7 +30,9 @@ def dtype_from_name(name: str) -> Any:
 
     dt = getattr(torch, str(name), None) if isinstance(name, str) else None
     if not isinstance(dt, torch.dtype):
-        raise ValueError(f"invalid dtype name {name!r}: expected a torch dtype name such as 'bfloat16'")
+        raise ValueError(
+            f"invalid dtype name {name!r}: expected a torch dtype name such as 'bfloat16'"
+        )
     return dt
 
 
@@ -82,7 +84,9 @@ class TensorMetadata:
         """Bytes from the start of the allocation to the end of the view."""
         if any(s == 0 for s in self.shape):
             return self.storage_offset * self.element_size
-        last = self.storage_offset + sum((s - 1) * st for s, st in zip(self.shape, self.stride))
+        last = self.storage_offset + sum(
+            (s - 1) * st for s, st in zip(self.shape, self.stride, strict=False)
+        )
         return (last + 1) * self.element_size
 
     def check_fits(self, alloc_nbytes: int) -> None:
@@ -111,7 +115,9 @@ class TensorMetadata:
             return cls(
                 dtype=data["dtype"],
                 shape=tuple(data["shape"]) if isinstance(data["shape"], list) else data["shape"],
-                stride=tuple(data["stride"]) if isinstance(data["stride"], list) else data["stride"],
+                stride=tuple(data["stride"])
+                if isinstance(data["stride"], list)
+                else data["stride"],
                 storage_offset=data.get("storage_offset", 0),
                 device_uuid=data.get("device_uuid", "") or "",
             )

@@ -34,9 +34,22 @@ def _flatten(paged) -> list:
     return out
 
 
-def _paged_pointer_tensor(paged, device):
+def _plane_and_chunk_bytes(fmt: int, sd, elem: int, chunk: int) -> tuple[int, int]:
+    """Bytes of one paged pointer's tensor and of one host chunk, from shape_desc."""
+    nl, nb, bs, nh, hs = (int(sd.nl), int(sd.nb), int(sd.bs), int(sd.nh), int(sd.hs))
+    kv = _ops_types.kv_size_of(fmt)
+    plane = nb * bs * nh * hs * elem
+    if _ops_types.is_cross_layer(fmt):
+        plane *= nl * 2
+    elif not _ops_types.is_kv_list(fmt):
+        plane *= kv
+    return plane, kv * nl * chunk * nh * hs * elem
+
+
+def _paged_pointer_tensor(paged, device, plane_bytes: int):
     """int64 device tensor of plane addresses, or None when the operands need the
-    Python path (non-contiguous tensors, tuples, tensors off the GPU)."""
+    Python path (non-contiguous tensors, tuples, tensors off the GPU, or tensors whose
+    size disagrees with shape_desc: the kernel must never address past them)."""
     if isinstance(paged, _torch.Tensor):
         if paged.dim() == 1 and paged.dtype in (_torch.int64, _torch.uint64):
             return paged.to(device=device, dtype=_torch.int64).contiguous()
@@ -47,11 +60,13 @@ def _paged_pointer_tensor(paged, device):
     for t in tensors:
         if not isinstance(t, _torch.Tensor) or t.device.type != "cuda" or not t.is_contiguous():
             return None
+        if t.numel() * t.element_size() != plane_bytes:
+            return None
         ptrs.append(t.data_ptr())
     return _torch.tensor(ptrs, dtype=_torch.int64, device=device)
 
 
-def _object_pointers(objects):
+def _object_pointers(objects, chunk_bytes: int):
     """Device-visible chunk addresses (ints pass through), or None for the Python path."""
     ptrs = []
     for obj in objects:
@@ -59,6 +74,8 @@ def _object_pointers(objects):
             ptrs.append(obj)
             continue
         if not isinstance(obj, _torch.Tensor) or not obj.is_contiguous():
+            return None
+        if obj.numel() * obj.element_size() < chunk_bytes:
             return None
         if obj.device.type == "cpu" and not obj.is_pinned():
             return None  # the kernel can only reach pinned host memory
@@ -97,8 +114,12 @@ def make_native_ops(C: Any) -> tuple[Callable[..., Any], Callable[..., Any]]:
         fmt = int(engine_kv_format)
         fallback = fmt in _NO_POINTER_FORM or int(getattr(shape_desc, "block_stride_elems", 0) or 0)
         dev = _torch.device(device) if not isinstance(device, _torch.device) else device
-        paged = None if fallback else _paged_pointer_tensor(paged_buffer_ptrs_tensor, dev)
-        objs = None if paged is None else _object_pointers(lmcache_objects_ptrs)
+        paged = objs = None
+        if not fallback:
+            elem = _element_size(shape_desc, paged_buffer_ptrs_tensor, lmcache_objects_ptrs)
+            plane, chunk = _plane_and_chunk_bytes(fmt, shape_desc, elem, int(lmcache_chunk_size))
+            paged = _paged_pointer_tensor(paged_buffer_ptrs_tensor, dev, plane)
+            objs = None if paged is None else _object_pointers(lmcache_objects_ptrs, chunk)
         if paged is None or objs is None:
             return _torch_ops.multi_layer_block_kv_transfer(
                 paged_buffer_ptrs_tensor,
@@ -118,7 +139,6 @@ def make_native_ops(C: Any) -> tuple[Callable[..., Any], Callable[..., Any]]:
             ids = ids.to(dev).contiguous()
         else:
             ids = _torch.tensor(list(block_ids), dtype=_torch.int64, device=dev)
-        elem = _element_size(shape_desc, paged_buffer_ptrs_tensor, lmcache_objects_ptrs)
         stream = _torch.cuda.current_stream(dev).cuda_stream
         C.block_kv_transfer(
             paged.data_ptr(),

@@ -44,8 +44,14 @@ def _slot_view(t: torch.Tensor, fmt: EngineKVFormat, hidden: int, bs: int, hs: i
 
 
 def _pointer_layers(
-    ptrs: torch.Tensor, fmt: EngineKVFormat, dtype: torch.dtype, device: Any, pbs: int,
-    hidden: int, bs: int, block_stride_elems: int,
+    ptrs: torch.Tensor,
+    fmt: EngineKVFormat,
+    dtype: torch.dtype,
+    device: Any,
+    pbs: int,
+    hidden: int,
+    bs: int,
+    block_stride_elems: int,
 ) -> list[torch.Tensor]:
     from lmcache.v1.platform.torch_ops._memory import _tensor_from_ptr
 
@@ -93,10 +99,20 @@ def multi_layer_kv_transfer(
             f"key_value must be [2 or 1, NL, T, hidden], got shape {list(key_value.shape)}"
         )
     kv_n, nl, ntok, hidden = key_value.shape
-    if isinstance(key_value_ptrs, torch.Tensor) and key_value_ptrs.dim() == 1 and not key_value_ptrs.is_floating_point():
+    if (
+        isinstance(key_value_ptrs, torch.Tensor)
+        and key_value_ptrs.dim() == 1
+        and not key_value_ptrs.is_floating_point()
+    ):
         layers = _pointer_layers(
-            key_value_ptrs, fmt, key_value.dtype, paged_memory_device, int(page_buffer_size),
-            hidden, int(block_size), int(block_stride_elems),
+            key_value_ptrs,
+            fmt,
+            key_value.dtype,
+            paged_memory_device,
+            int(page_buffer_size),
+            hidden,
+            int(block_size),
+            int(block_stride_elems),
         )
     else:
         layers = list(key_value_ptrs)

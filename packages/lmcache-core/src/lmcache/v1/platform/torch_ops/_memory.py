@@ -71,7 +71,7 @@ def lmcache_memcpy_async(
     if device_type != "cpu":
         raise NotImplementedError(
             "lmcache_memcpy_async with raw pointers is not supported by the torch baseline on "
-            "device type %r; the backend must override it" % (device_type,)
+            f"device type {device_type!r}; the backend must override it"
         )
     if nbytes:
         ctypes.memmove(dest, src, nbytes)
@@ -280,7 +280,7 @@ def batched_memcpy(src_ptrs: Any, dst_ptrs: Any, sizes: Any) -> None:
             f"batched_memcpy: {len(src)} sources, {len(dst)} destinations and {len(nb)} sizes "
             "must have the same length"
         )
-    for s, d, n in zip(src, dst, nb):
+    for s, d, n in zip(src, dst, nb, strict=False):
         if n > 0:
             ctypes.memmove(d, s, n)
 

@@ -87,14 +87,23 @@ def _later(op: str) -> NotImplementedError:
 
 
 def multi_layer_kv_transfer_unilateral(
-    key_value, key_value_ptrs, slot_mapping, paged_memory_device, page_buffer_size, direction,
+    key_value,
+    key_value_ptrs,
+    slot_mapping,
+    paged_memory_device,
+    page_buffer_size,
+    direction,
     engine_kv_format,
 ):
     raise _later("multi_layer_kv_transfer_unilateral")
 
 
 def single_layer_kv_transfer(
-    lmc_key_value_cache, vllm_key_value_cache, slot_mapping, direction, engine_kv_format,
+    lmc_key_value_cache,
+    vllm_key_value_cache,
+    slot_mapping,
+    direction,
+    engine_kv_format,
     token_major=False,
 ):
     raise _later("single_layer_kv_transfer")

@@ -48,9 +48,7 @@ class CPUCacheContext(BaseCacheContext):
         manager = KVLayerGroupsManager.build(
             tensors, layout_hints, engine_group_infos, separate_object_groups
         )
-        capacity = max(
-            (int(kg.shape_desc.nb) for kg in manager.kernel_groups), default=0
-        )
+        capacity = max((int(kg.shape_desc.nb) for kg in manager.kernel_groups), default=0)
         super().__init__(
             kv_caches=tensors,
             device=torch.device("cpu"),
@@ -96,7 +94,9 @@ class CPUCacheContext(BaseCacheContext):
         key = (batch_idx, og.group_id)
         buf = self._temp.get(key)
         if buf is None:
-            buf = torch.zeros(og.bytes_per_token() * self.lmcache_tokens_per_chunk, dtype=torch.uint8)
+            buf = torch.zeros(
+                og.bytes_per_token() * self.lmcache_tokens_per_chunk, dtype=torch.uint8
+            )
             self._temp[key] = buf
         return buf
 

@@ -78,7 +78,7 @@ def _unlink_all_owned() -> None:
     with _lock:
         entries = list(_owned.values())
         _owned.clear()
-    for name, _n, shm in entries:
+    for _name, _n, shm in entries:
         try:
             shm.unlink()
         except Exception:
@@ -102,9 +102,7 @@ class CpuShmTensorWrapper(DeviceIPCWrapper):
     @classmethod
     def wrap(cls, tensor: Any) -> CpuShmTensorWrapper:
         if not isinstance(tensor, torch.Tensor):
-            raise ValueError(
-                f"cpu_shm wraps one CPU tensor per layer, got {type(tensor).__name__}"
-            )
+            raise ValueError(f"cpu_shm wraps one CPU tensor per layer, got {type(tensor).__name__}")
         if tensor.device.type != "cpu":
             raise ValueError(f"cpu_shm wraps CPU tensors, got a tensor on {tensor.device}")
         found = shm_segment_of(tensor)
@@ -128,20 +126,20 @@ class CpuShmTensorWrapper(DeviceIPCWrapper):
             shm = shared_memory.SharedMemory(name=self.shm_name.lstrip("/"), create=False)
             from lmcache.v1.platform.torch_ops._memory import untrack_shm
 
-            untrack_shm(shm)  # the creator owns (and unlinks) the segment
+            with _lock:
+                ours = any(name == self.shm_name for name, _n, _s in _owned.values())
+            if not ours:
+                untrack_shm(shm)  # the creating process owns (and unlinks) the segment
             if shm.size < self.nbytes:
                 shm.close()
                 raise ValueError(
                     f"shared memory {self.shm_name} has {shm.size} bytes, wrapper says {self.nbytes}"
                 )
             self._attached = shm
-        flat = torch.frombuffer(self._attached.buf, dtype=torch.uint8, count=max(self.nbytes, 1))
-        return torch.as_strided(
-            flat.view(self.dtype) if self.nbytes % self.dtype.itemsize == 0 else flat[: self.nbytes - self.nbytes % self.dtype.itemsize].view(self.dtype),
-            self.shape,
-            self.stride,
-            self.storage_offset,
-        )
+        usable = self.nbytes - self.nbytes % self.dtype.itemsize
+        flat = torch.frombuffer(self._attached.buf, dtype=torch.uint8, count=max(usable, 1))
+        typed = flat[:usable].view(self.dtype)
+        return torch.as_strided(typed, self.shape, self.stride, self.storage_offset)
 
     def close(self) -> None:
         shm, self._attached = self._attached, None

@@ -14,7 +14,9 @@ from typing import Any
 class StubEvent:
     """Completed-at-once event; IPC handles are a fixed marker."""
 
-    def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False):
+    def __init__(
+        self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False
+    ):
         self.interprocess = interprocess
 
     def ipc_handle(self) -> bytes:

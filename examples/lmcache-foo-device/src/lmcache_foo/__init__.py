@@ -1,0 +1,1 @@
+"""Sample LMCache device backend for the fictional Foo accelerator (``torch.foo``)."""

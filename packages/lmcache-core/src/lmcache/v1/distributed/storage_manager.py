@@ -1,0 +1,422 @@
+"""StorageManager: L1 managers, eviction, L2 adapters and the store/prefetch controllers (§4.1).
+
+Construction order: L1 managers -> one L1 eviction controller each -> adapters (through the
+registry, with their affinity L1's ``L1MemoryDesc``) -> ``set_backend_identity`` ->
+``PeriodicEventNotifier`` -> ``QuotaManager`` -> ``L2EvictionController`` -> one
+``StoreController`` per L1 -> one ``PrefetchController``. A failure unwinds what was built.
+
+Server-facing extras: ``l1_managers``, ``shm_name``, ``pool_size``, ``shm_disabled_reason``,
+``quota_manager``, ``get_l1_manager(i)``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from lmcache.lmcache_native import PeriodicEventNotifier
+from lmcache.utils import init_logger
+from lmcache.v1.distributed.adapter_registry import AdapterRegistry
+from lmcache.v1.distributed.api import (
+    MemoryLayoutDesc,
+    ObjectKey,
+    PrefetchHandle,
+    PrefetchResult,
+    PrefetchTaskSpec,
+)
+from lmcache.v1.distributed.config import StorageManagerConfig
+from lmcache.v1.distributed.eviction import L1EvictionController, L2EvictionController, QuotaManager
+from lmcache.v1.distributed.internal_api import L1Error
+from lmcache.v1.distributed.l1_manager import L1Manager
+from lmcache.v1.distributed.l2_adapters.base import AdapterUsage, L2AdapterInterface
+from lmcache.v1.distributed.l2_adapters.config import (
+    L2AdapterConfigBase,
+    get_type_name_for_config,
+)
+from lmcache.v1.distributed.l2_adapters.factory import create_l2_adapter_from_registry
+from lmcache.v1.distributed.prefetch_controller import PrefetchController
+from lmcache.v1.distributed.storage_policies import create_prefetch_policy, create_store_policy
+from lmcache.v1.distributed.store_controller import StoreController
+from lmcache.v1.memory_management import MemoryObj
+from lmcache.v1.platform.event_notifier import HAS_EVENTFD
+
+logger = init_logger(__name__)
+
+__all__ = ["StorageManager"]
+
+STORE_TAG = "storage_manager"
+
+
+class StorageManager:
+    def __init__(self, config: StorageManagerConfig, *, eviction_interval_s: float = 1.0) -> None:
+        self.config = config
+        self.l1_managers: list[L1Manager] = []
+        self.l1_eviction_controllers: list[L1EvictionController] = []
+        self.registry = AdapterRegistry()
+        self.store_controllers: list[StoreController] = []
+        self.prefetch_controller: PrefetchController | None = None
+        self.l2_eviction_controller: L2EvictionController | None = None
+        self.quota_manager = QuotaManager()
+        self._periodic: PeriodicEventNotifier | None = None
+        self._write_owner: dict[ObjectKey, int] = {}
+        self._mu = threading.Lock()
+        self._closed = False
+        try:
+            self._build(eviction_interval_s)
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self, eviction_interval_s: float) -> None:
+        cfg = self.config
+        for l1cfg in cfg.all_l1_manager_configs():
+            if l1cfg.l1_type != "DRAM":
+                raise ValueError(
+                    f"L1 type {l1cfg.l1_type} (tag {l1cfg.tag!r}) needs hardware support this "
+                    "build does not have (DEVDAX/GDS); use a DRAM --l1-manager"
+                )
+            l1 = L1Manager(l1cfg)
+            self.l1_managers.append(l1)
+            ctl = L1EvictionController(l1, cfg.eviction_config_for(l1cfg), eviction_interval_s)
+            ctl.start()
+            self.l1_eviction_controllers.append(ctl)
+        adapter_cfgs = list(cfg.l2_adapter_config.adapters) if cfg.l2_adapter_config else []
+        created = [self._create_adapter(a) for a in adapter_cfgs]
+        self._periodic = PeriodicEventNotifier.create(
+            cfg.periodic_notifier_interval_ms, HAS_EVENTFD
+        )
+        self.l2_eviction_controller = L2EvictionController(self.quota_manager, eviction_interval_s)
+        for slot in created:
+            self._attach_eviction(slot.index)
+        self.l2_eviction_controller.start()
+        store_policy = create_store_policy(cfg.l2_store_policy)
+        for i, l1 in enumerate(self.l1_managers):
+            self.store_controllers.append(StoreController(l1, self.registry, store_policy, i))
+        self.prefetch_controller = PrefetchController(
+            self.l1_managers,
+            self.registry,
+            create_prefetch_policy(cfg.l2_prefetch_policy),
+            cfg.l2_prefetch_max_in_flight,
+            cfg.l2_lookup_timeout_seconds,
+            cfg.l2_load_timeout_seconds,
+        )
+        logger.info(
+            "StorageManager ready: %d L1 (%s), %d L2 adapters (%s)",
+            len(self.l1_managers),
+            ", ".join(f"{m.tag}={m.allocator.size >> 20} MiB" for m in self.l1_managers),
+            len(self.registry),
+            ", ".join(s.type_name for s in self.registry.slots()) or "none",
+        )
+
+    def _l1_index_for_tag(self, tag: str) -> int:
+        for i, m in enumerate(self.l1_managers):
+            if m.tag == tag:
+                return i
+        raise ValueError(
+            f"L2 adapter affinity_tag {tag!r} matches no L1 (tags: "
+            f"{[m.tag for m in self.l1_managers]})"
+        )
+
+    def _create_adapter(self, acfg: L2AdapterConfigBase) -> Any:
+        if getattr(acfg, "serde_config", None) is not None:
+            raise ValueError(
+                "L2 adapter 'serde' blocks are not supported by this build (the serialized "
+                "format is not specified); remove the 'serde' field"
+            )
+        type_name = get_type_name_for_config(acfg)
+        l1_index = self._l1_index_for_tag(acfg.affinity_tag)
+        desc = self.l1_managers[l1_index].get_l1_memory_desc()
+        adapter: L2AdapterInterface = create_l2_adapter_from_registry(acfg, desc)
+        try:
+            adapter.set_backend_identity(type_name, bool(getattr(acfg, "shared", False)))
+            slot = self.registry.add(adapter, type_name, acfg.affinity_tag, l1_index, acfg)
+        except BaseException:
+            adapter.close()
+            raise
+        logger.info("L2 adapter #%d created: %s", slot.index, type_name)
+        return slot
+
+    def _attach_eviction(self, index: int) -> None:
+        slot = self.registry.get(index)
+        ev = getattr(slot.config, "eviction_config", None) if slot else None
+        if slot is not None and ev is not None and self.l2_eviction_controller is not None:
+            self.l2_eviction_controller.add_adapter(index, slot.adapter, ev)
+
+    # --- writes ------------------------------------------------------------------------------------
+
+    def reserve_write(
+        self, keys: list[ObjectKey], layout: MemoryLayoutDesc
+    ) -> dict[ObjectKey, MemoryObj]:
+        """Reserve L1 buffers; OOM keys fall through to the next L1. Returns the subset reserved."""
+        out: dict[ObjectKey, MemoryObj] = {}
+        todo = list(dict.fromkeys(keys))
+        for i, l1 in enumerate(self.l1_managers):
+            if not todo:
+                break
+            res = l1.reserve_write(todo, [False] * len(todo), layout, STORE_TAG)
+            oom = []
+            with self._mu:
+                for k in todo:
+                    err, obj = res[k]
+                    if err is L1Error.SUCCESS and obj is not None:
+                        out[k] = obj
+                        self._write_owner[k] = i
+                    elif err is L1Error.OUT_OF_MEMORY:
+                        oom.append(k)
+            todo = oom
+        return out
+
+    def prepare_write_completion(self, keys: list[ObjectKey]) -> dict[int, list[ObjectKey]]:
+        """Group keys by the L1 that reserved them (multi-L1)."""
+        groups: dict[int, list[ObjectKey]] = {}
+        with self._mu:
+            for k in keys:
+                owner = self._write_owner.get(k, 0)
+                groups.setdefault(owner, []).append(k)
+        return groups
+
+    def finish_write_by_owner(self, groups: dict[int, list[ObjectKey]]) -> dict[ObjectKey, L1Error]:
+        out: dict[ObjectKey, L1Error] = {}
+        for owner, keys in groups.items():
+            out.update(self.l1_managers[owner].finish_write(keys, STORE_TAG))
+            with self._mu:
+                for k in keys:
+                    self._write_owner.pop(k, None)
+        return out
+
+    def finish_write(self, keys: list[ObjectKey]) -> dict[ObjectKey, L1Error]:
+        return self.finish_write_by_owner(self.prepare_write_completion(keys))
+
+    def abort_write(self, keys: list[ObjectKey]) -> dict[ObjectKey, L1Error]:
+        out: dict[ObjectKey, L1Error] = {}
+        for owner, ks in self.prepare_write_completion(keys).items():
+            out.update(self.l1_managers[owner].finish_write_and_delete(ks, STORE_TAG))
+            with self._mu:
+                for k in ks:
+                    self._write_owner.pop(k, None)
+        return out
+
+    # --- prefetch -----------------------------------------------------------------------------------
+
+    def submit_prefetch_task(
+        self, spec: PrefetchTaskSpec, external_request_id: str = "", skip_l2: bool = False
+    ) -> PrefetchHandle:
+        assert self.prefetch_controller is not None
+        return self.prefetch_controller.submit(spec, external_request_id, skip_l2)
+
+    def query_prefetch_status(self, handle: PrefetchHandle) -> PrefetchResult | None:
+        assert self.prefetch_controller is not None
+        return self.prefetch_controller.query(handle)
+
+    def wait_prefetch_status(self, handle: PrefetchHandle, timeout: float | None = None) -> bool:
+        assert self.prefetch_controller is not None
+        return self.prefetch_controller.wait(handle, timeout)
+
+    # --- reads -----------------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def read_prefetched_results(
+        self, keys: list[ObjectKey], l1_owners: list[int] | None = None, read_locks: int = 1
+    ) -> Iterator[list[MemoryObj] | None]:
+        """Yield the locked objects (or None if one is missing). Locks are released only on
+        failure; on success the caller calls ``finish_read_prefetched``."""
+        owners = list(l1_owners) if l1_owners is not None else [0] * len(keys)
+        objs: list[MemoryObj] = []
+        missing = False
+        for k, o in zip(keys, owners, strict=False):
+            err, obj = self.l1_managers[max(0, o)].unsafe_read([k])[k]
+            if err is not L1Error.SUCCESS or obj is None:
+                missing = True
+                break
+            objs.append(obj)
+        if missing:
+            self.finish_read_prefetched(keys, read_locks, owners)
+            yield None
+            return
+        try:
+            yield objs
+        except BaseException:
+            self.finish_read_prefetched(keys, read_locks, owners)
+            raise
+
+    def finish_read_prefetched(
+        self, keys: list[ObjectKey], read_locks: int = 1, l1_owners: list[int] | None = None
+    ) -> dict[ObjectKey, L1Error]:
+        owners = list(l1_owners) if l1_owners is not None else [0] * len(keys)
+        groups: dict[int, list[ObjectKey]] = {}
+        for k, o in zip(keys, owners, strict=False):
+            groups.setdefault(max(0, o), []).append(k)
+        out: dict[ObjectKey, L1Error] = {}
+        for o, ks in groups.items():
+            out.update(self.l1_managers[o].finish_read(ks, read_locks))
+        return out
+
+    # --- L1 maintenance ---------------------------------------------------------------------------------
+
+    def touch_l1_keys(self, keys: list[ObjectKey]) -> None:
+        for l1 in self.l1_managers:
+            l1.touch_keys(keys)
+
+    def delete_l1_keys(self, keys: list[ObjectKey], force: bool = False) -> tuple[int, int]:
+        """(deleted, skipped): a key counts as deleted when some L1 removed it."""
+        deleted: set[ObjectKey] = set()
+        for l1 in self.l1_managers:
+            res = l1.delete(keys, force)
+            deleted |= {k for k, e in res.items() if e is L1Error.SUCCESS}
+        return len(deleted), len(set(keys)) - len(deleted)
+
+    # --- L2 ------------------------------------------------------------------------------------------------
+
+    def get_l2_adapters(self) -> list[L2AdapterInterface]:
+        return [s.adapter for s in self.registry.slots()]
+
+    def get_l2_usages(self) -> dict[int, AdapterUsage]:
+        return {s.index: s.adapter.get_usage() for s in self.registry.slots()}
+
+    def get_usage_bytes_by_cache_salt(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for usage in self.get_l2_usages().values():
+            for salt, n in usage.bytes_by_cache_salt.items():
+                out[salt] = out.get(salt, 0) + n
+        return out
+
+    def add_l2_adapter(self, config: L2AdapterConfigBase) -> int:
+        slot = self._create_adapter(config)
+        self._attach_eviction(slot.index)
+        for sc in self.store_controllers:
+            sc.kick()
+        return slot.index
+
+    def delete_l2_adapter(self, adapter_id: int, timeout: float = 30.0) -> bool:
+        """Stop routing to the adapter, wait for its in-flight work (up to ``timeout``), close it.
+        Returns False when the id is unknown."""
+        slot = self.registry.set_draining(adapter_id)
+        if slot is None:
+            return False
+        for sc in self.store_controllers:
+            sc.kick()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            busy = sum(sc.inflight_for(adapter_id) for sc in self.store_controllers)
+            if self.prefetch_controller is not None:
+                busy += self.prefetch_controller.inflight_for(adapter_id)
+            if busy == 0:
+                break
+            time.sleep(0.02)
+        else:
+            logger.warning(
+                "L2 adapter #%d still busy after %.0f s; closing it anyway", adapter_id, timeout
+            )
+        if self.l2_eviction_controller is not None:
+            self.l2_eviction_controller.remove_adapter(adapter_id)
+        self.registry.remove(adapter_id)
+        for sc in self.store_controllers:
+            sc.forget_adapter(adapter_id)
+            sc.kick()
+        try:
+            slot.adapter.close()
+        except Exception:
+            logger.exception("closing L2 adapter #%d failed", adapter_id)
+        return True
+
+    # --- server-facing info ----------------------------------------------------------------------------
+
+    def get_l1_manager(self, index: int = 0) -> L1Manager:
+        return self.l1_managers[index]
+
+    @property
+    def shm_name(self) -> str:
+        return self.l1_managers[0].shm_name if self.l1_managers else ""
+
+    @property
+    def pool_size(self) -> int:
+        return self.l1_managers[0].pool_size if self.l1_managers else 0
+
+    @property
+    def shm_disabled_reason(self) -> str:
+        return self.l1_managers[0].shm_disabled_reason if self.l1_managers else ""
+
+    # --- lifecycle -----------------------------------------------------------------------------------------
+
+    def clear(self, force: bool = False) -> int:
+        return sum(l1.clear(force) for l1 in self.l1_managers)
+
+    def memcheck(self) -> bool:
+        return all(l1.memcheck() for l1 in self.l1_managers)
+
+    def report_status(self) -> dict[str, Any]:
+        for ctl in self.l1_eviction_controllers:
+            ctl.ensure_running()
+        if self.l2_eviction_controller is not None:
+            self.l2_eviction_controller.ensure_running()
+        adapters = []
+        for s in self.registry.slots():
+            try:
+                st = dict(s.adapter.report_status())
+            except Exception as exc:
+                st = {"is_healthy": False, "error": f"{type(exc).__name__}: {exc}"}
+            usage = s.adapter.get_usage()
+            suspended = bool(
+                self.prefetch_controller and self.prefetch_controller.is_suspended(s.index)
+            )
+            adapters.append(
+                {
+                    "index": s.index,
+                    "type": s.type_name,
+                    "affinity_tag": s.affinity_tag,
+                    "draining": s.draining,
+                    "suspended_from_prefetch": suspended,
+                    "usage_bytes": usage.total_bytes_used,
+                    "capacity_bytes": usage.total_capacity_bytes,
+                    "status": st,
+                    "is_healthy": bool(st.get("is_healthy", False)) and not suspended,
+                }
+            )
+        l1 = [m.report_status() for m in self.l1_managers]
+        status: dict[str, Any] = {
+            "l1_managers": l1,
+            "l1": l1[0] if l1 else {},
+            "l1_eviction_controllers": [c.report_status() for c in self.l1_eviction_controllers],
+            "store_controllers": [c.report_status() for c in self.store_controllers],
+            "prefetch_controller": self.prefetch_controller.report_status()
+            if self.prefetch_controller
+            else {},
+            "l2_eviction_controller": self.l2_eviction_controller.report_status()
+            if self.l2_eviction_controller
+            else {},
+            "l2_adapters": adapters,
+        }
+        parts = [
+            *l1,
+            *status["l1_eviction_controllers"],
+            *status["store_controllers"],
+            status["l2_eviction_controller"],
+        ]
+        status["is_healthy"] = all(p.get("is_healthy", True) for p in parts) and all(
+            a["is_healthy"] for a in adapters
+        )
+        return status
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self.prefetch_controller is not None:
+            self.prefetch_controller.close()
+        for sc in self.store_controllers:
+            sc.close()
+        if self.l2_eviction_controller is not None:
+            self.l2_eviction_controller.stop()
+        for slot in self.registry.slots():
+            try:
+                slot.adapter.close()
+            except Exception:
+                logger.exception("closing L2 adapter #%d failed", slot.index)
+            self.registry.remove(slot.index)
+        for ctl in self.l1_eviction_controllers:
+            ctl.stop()
+        for l1 in self.l1_managers:
+            l1.close()

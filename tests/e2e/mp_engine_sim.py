@@ -1,0 +1,92 @@
+"""An engine worker process for the end-to-end tests (run as a script, not collected).
+
+store:    fill a paged KV cache deterministically from --seed, store the prompt's blocks.
+retrieve: retrieve the prompt into a zeroed cache at other (shuffled) block ids and exit 0
+          only when every retrieved byte equals what the storing engine had.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+
+import torch
+
+from lmcache.v1.multiprocess import protocol as P
+from lmcache.v1.multiprocess.client import MPClient
+from lmcache.v1.multiprocess.transfer_context import create_transfer_context
+
+NUM_BLOCKS, BLOCK, LAYERS, HEADS, HEAD_SIZE = 160, 16, 3, 2, 16
+
+
+def kv_cache(layout: str, seed: int, zeros: bool) -> list[torch.Tensor]:
+    if layout == "MLA":
+        shape = (NUM_BLOCKS, BLOCK, HEAD_SIZE)
+    elif layout == "HND":
+        shape = (2, NUM_BLOCKS, HEADS, BLOCK, HEAD_SIZE)
+    else:
+        shape = (2, NUM_BLOCKS, BLOCK, HEADS, HEAD_SIZE)
+    g = torch.Generator().manual_seed(seed)
+    return [torch.zeros(shape, dtype=torch.bfloat16) if zeros else torch.randn(shape, generator=g).bfloat16()
+            for _ in range(LAYERS)]
+
+
+def block_of(t: torch.Tensor, layout: str, b: int) -> torch.Tensor:
+    return t[b] if layout == "MLA" else t[:, b]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("role", choices=("store", "retrieve"))
+    ap.add_argument("--url", required=True)
+    ap.add_argument("--layout", default="NHD")
+    ap.add_argument("--mode", default="engine_driven")
+    ap.add_argument("--model", default="e2e-model")
+    ap.add_argument("--world-size", type=int, default=1)
+    ap.add_argument("--worker-id", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--request-id", default="req")
+    ap.add_argument("--num-tokens", type=int, default=1024)
+    a = ap.parse_args()
+
+    tokens = list(range(10, 10 + a.num_tokens))
+    n_blocks = a.num_tokens // BLOCK
+    src_ids = list(range(1, 1 + n_blocks))
+    dst_ids = list(range(1 + n_blocks, 1 + 2 * n_blocks))
+    random.Random(a.seed).shuffle(dst_ids)
+    hints = {"kv_layout": "HND"} if a.layout == "HND" else {}
+    client = MPClient(a.url, default_timeout=30)
+    kv = kv_cache(a.layout, a.seed, zeros=a.role == "retrieve")
+    ctx = create_transfer_context(
+        kv, instance_id=random.getrandbits(60), req_client=client, mode=a.mode, layout_hints=hints
+    )
+    ctx.register(a.model, a.world_size)
+    key = P.IPCCacheServerKey(
+        model_name=a.model, world_size=a.world_size, worker_id=a.worker_id, token_ids=tokens,
+        start=0, end=a.num_tokens, request_id=a.request_id, num_kv_readers=1,
+    )
+    try:
+        if a.role == "store":
+            ok = ctx.submit_store(key, src_ids).result(60)
+            print(json.dumps({"stored": bool(ok), "mode": ctx.mode}))
+            return 0 if ok else 1
+        ok = ctx.submit_retrieve(key, dst_ids).result(60)
+        expected = kv_cache(a.layout, a.seed, zeros=False)
+        same = all(
+            torch.equal(block_of(e, a.layout, s), block_of(t, a.layout, d))
+            for e, t in zip(expected, kv, strict=True)
+            for s, d in zip(src_ids, dst_ids, strict=True)
+        )
+        untouched = all(int(block_of(t, a.layout, 0).float().abs().sum()) == 0 for t in kv)
+        print(json.dumps({"retrieved": bool(ok), "identical": same, "untouched": untouched, "mode": ctx.mode}))
+        return 0 if ok and same and untouched else 1
+    finally:
+        ctx.unregister()
+        ctx.close()
+        client.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,810 @@
+"""StorageManager with its store and prefetch controllers (§4), using real L1 memory."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+
+from lmcache.lmcache_native import Bitmap
+from lmcache.v1.distributed.api import (
+    GroupedObjectKeys,
+    LockMode,
+    MemoryLayoutDesc,
+    ObjectKey,
+    PrefetchTaskSpec,
+)
+from lmcache.v1.distributed.config import (
+    EvictionConfig,
+    L1ManagerConfig,
+    L1MemoryManagerConfig,
+    StorageManagerConfig,
+)
+from lmcache.v1.distributed.internal_api import L2StoreResult
+from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface
+from lmcache.v1.distributed.l2_adapters.config import (
+    L2AdapterConfigBase,
+    L2AdaptersConfig,
+    parse_l2_adapter_dict,
+    register_l2_adapter_type,
+)
+from lmcache.v1.distributed.l2_adapters.factory import register_l2_adapter_factory
+from lmcache.v1.distributed.storage_manager import StorageManager
+from lmcache.v1.distributed.storage_policies import (
+    StorePolicy,
+    register_store_policy,
+)
+from lmcache.v1.platform.event_notifier import create_event_notifier
+
+LAYOUT = MemoryLayoutDesc([torch.Size([1024])], [torch.float32])
+KV = ObjectKey.ComputeKVRank(1, 0, 1, 0)
+
+
+def key(i: int, salt: str = "") -> ObjectKey:
+    return ObjectKey(ObjectKey.IntHash2Bytes(i), "model", KV, cache_salt=salt)
+
+
+# --- a scriptable adapter ---------------------------------------------------------------------
+
+
+class ScriptedAdapter(L2AdapterInterface):
+    """Dict-backed adapter whose operations can be held (gates), fail, or return legacy values."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.data: dict[ObjectKey, bytes] = {}
+        self.locks: dict[ObjectKey, int] = {}
+        self.n = [create_event_notifier() for _ in range(3)]
+        self.mu = threading.Lock()
+        self.i = 0
+        self.store_done: dict[int, Any] = {}
+        self.lookup_done: dict[int, Bitmap] = {}
+        self.load_done: dict[int, Bitmap] = {}
+        self.store_gate = threading.Event()
+        self.lookup_gate = threading.Event()
+        self.load_gate = threading.Event()
+        for g in (self.store_gate, self.lookup_gate, self.load_gate):
+            g.set()
+        self.store_calls: list[list[ObjectKey]] = []
+        self.lookup_calls: list[list[ObjectKey]] = []
+        self.load_calls: list[list[ObjectKey]] = []
+        self.store_raises = False
+        self.store_returns: Any = None  # legacy value instead of L2StoreResult
+        self.inflight_stores = 0
+        self.max_inflight_stores = 0
+        self.closed = False
+
+    def _tid(self) -> int:
+        with self.mu:
+            self.i += 1
+            return self.i
+
+    def _later(self, gate: threading.Event, fn) -> None:
+        def run():
+            gate.wait()
+            fn()
+
+        threading.Thread(target=run, daemon=True).start()
+
+    def get_store_event_fd(self):
+        return self.n[0].fileno()
+
+    def get_lookup_and_lock_event_fd(self):
+        return self.n[1].fileno()
+
+    def get_load_event_fd(self):
+        return self.n[2].fileno()
+
+    def submit_store_task(self, keys, objects):
+        if self.store_raises:
+            raise RuntimeError("store submit failed")
+        tid = self._tid()
+        self.store_calls.append(list(keys))
+        with self.mu:
+            self.inflight_stores += 1
+            self.max_inflight_stores = max(self.max_inflight_stores, self.inflight_stores)
+
+        def fn():
+            new = []
+            with self.mu:
+                for k, o in zip(keys, objects):
+                    if k not in self.data:
+                        self.data[k] = bytes(o.byte_array)
+                        new.append(k)
+                self.inflight_stores -= 1
+                self.store_done[tid] = (
+                    self.store_returns if self.store_returns is not None
+                    else L2StoreResult(True, sum(len(self.data[k]) for k in new))
+                )
+            self._notify_keys_stored(new, [len(self.data[k]) for k in new])
+            self.n[0].notify()
+
+        self._later(self.store_gate, fn)
+        return tid
+
+    def pop_completed_store_tasks(self):
+        with self.mu:
+            d, self.store_done = self.store_done, {}
+        return d
+
+    def submit_lookup_and_lock_task(self, keys, group_layout_descs=None):
+        tid = self._tid()
+        self.lookup_calls.append(list(keys))
+
+        def fn():
+            bm = Bitmap(len(keys))
+            with self.mu:
+                for j, k in enumerate(keys):
+                    if k in self.data:
+                        bm.set(j)
+                        self.locks[k] = self.locks.get(k, 0) + 1
+                self.lookup_done[tid] = bm
+            self.n[1].notify()
+
+        self._later(self.lookup_gate, fn)
+        return tid
+
+    def query_lookup_and_lock_result(self, task_id):
+        with self.mu:
+            return self.lookup_done.pop(task_id, None)
+
+    def submit_unlock(self, keys):
+        with self.mu:
+            for k in keys:
+                if self.locks.get(k, 0) > 0:
+                    self.locks[k] -= 1
+
+    def submit_load_task(self, keys, objects):
+        tid = self._tid()
+        self.load_calls.append(list(keys))
+
+        def fn():
+            bm = Bitmap(len(keys))
+            for j, (k, o) in enumerate(zip(keys, objects)):
+                with self.mu:
+                    b = self.data.get(k)
+                if b is not None and len(b) == len(o.byte_array):
+                    o.byte_array[:] = b
+                    bm.set(j)
+            with self.mu:
+                self.load_done[tid] = bm
+            self.n[2].notify()
+
+        self._later(self.load_gate, fn)
+        return tid
+
+    def query_load_result(self, task_id):
+        with self.mu:
+            return self.load_done.pop(task_id, None)
+
+    def locked(self) -> int:
+        with self.mu:
+            return sum(self.locks.values())
+
+    def close(self):
+        self.closed = True
+
+
+@dataclass
+class ScriptedConfig(L2AdapterConfigBase):
+    instance: Any = None
+
+    @classmethod
+    def from_dict(cls, d):
+        return cls(instance=d.get("instance"))
+
+    @classmethod
+    def help(cls):
+        return "test adapter"
+
+
+try:
+    register_l2_adapter_type("scripted_test", ScriptedConfig)
+    register_l2_adapter_factory("scripted_test", lambda cfg, desc: cfg.instance)
+except ValueError:
+    pass  # re-imported module
+
+
+def scripted(instance: ScriptedAdapter) -> ScriptedConfig:
+    return ScriptedConfig(instance=instance)
+
+
+def make_sm(adapters=(), slots: int = 64, **kw) -> StorageManager:
+    mem = L1MemoryManagerConfig(slots * 4096, use_lazy=False, align_bytes=4096, shm_name="")
+    cfg = StorageManagerConfig(
+        L1ManagerConfig(mem),
+        EvictionConfig(kw.pop("policy", "LRU")),
+        L2AdaptersConfig(list(adapters)),
+        **kw,
+    )
+    return StorageManager(cfg, eviction_interval_s=60)
+
+
+def write(sm: StorageManager, keys, value: float | None = None) -> None:
+    objs = sm.reserve_write(keys, LAYOUT)  # keys already resident are not writable
+    for i, k in enumerate(keys):
+        if k in objs:
+            objs[k].tensor.fill_(float(i) if value is None else value)
+    sm.finish_write(list(objs))
+
+
+def eventually(cond, timeout: float = 10.0) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if cond():
+            return
+        time.sleep(0.01)
+    raise AssertionError("condition not reached")
+
+
+def spec(keys, **kw) -> PrefetchTaskSpec:
+    return PrefetchTaskSpec([GroupedObjectKeys(list(keys), 0, LAYOUT)], **kw)
+
+
+def prefetch(sm: StorageManager, s: PrefetchTaskSpec):
+    h = sm.submit_prefetch_task(s)
+    assert sm.wait_prefetch_status(h, 30)
+    r = sm.query_prefetch_status(h)
+    assert r is not None
+    assert sm.query_prefetch_status(h) is None  # answers once
+    return r
+
+
+# --- store controller ---------------------------------------------------------------------------
+
+
+def test_l1_write_is_stored_to_every_adapter_and_pins_released():
+    a, b = ScriptedAdapter(), ScriptedAdapter()
+    sm = make_sm([scripted(a), scripted(b)])
+    try:
+        keys = [key(i) for i in range(5)]
+        write(sm, keys)
+        eventually(lambda: len(a.data) == 5 and len(b.data) == 5)
+        l1 = sm.get_l1_manager()
+        eventually(lambda: l1.report_status()["pinned_bytes"] == 0)
+        eventually(lambda: l1.report_status()["read_locked_count"] == 0)
+        assert bytes(a.data[key(3)]) == torch.full((1024,), 3.0).numpy().tobytes()
+        assert sm.get_l2_usages()[0].total_bytes_used == 5 * 4096
+    finally:
+        sm.close()
+
+
+def test_temporary_and_prefetch_admissions_are_never_stored():
+    a = ScriptedAdapter()
+    sm = make_sm([scripted(a)])
+    try:
+        l1 = sm.get_l1_manager()
+        l1.reserve_write([key(1)], [True], LAYOUT, "x")
+        l1.finish_write([key(1)], "x")
+        l1.reserve_write([key(2)], [False], LAYOUT, "prefetch:1")
+        l1.finish_write_and_reserve_read([key(2)], 1, "prefetch:1")
+        write(sm, [key(3)])
+        eventually(lambda: key(3) in a.data)
+        time.sleep(0.1)
+        assert set(a.data) == {key(3)}
+    finally:
+        sm.close()
+
+
+def test_submit_exception_releases_pins():
+    a = ScriptedAdapter()
+    a.store_raises = True
+    sm = make_sm([scripted(a)])
+    try:
+        write(sm, [key(1), key(2)])
+        eventually(lambda: sm.report_status()["store_controllers"][0]["failed_tasks"] >= 1)
+        l1 = sm.get_l1_manager()
+        eventually(lambda: l1.report_status()["pinned_bytes"] == 0)
+        assert l1.report_status()["read_locked_count"] == 0
+        assert sm.delete_l1_keys([key(1), key(2)]) == (2, 0)
+    finally:
+        sm.close()
+
+
+def test_two_concurrent_batches_release_their_pins():
+    a = ScriptedAdapter()
+    a.store_gate.clear()
+    sm = make_sm([scripted(a)])
+    try:
+        write(sm, [key(1), key(2)])
+        write(sm, [key(3)])
+        l1 = sm.get_l1_manager()
+        eventually(lambda: l1.report_status()["pinned_bytes"] == 3 * 4096)
+        assert sm.delete_l1_keys([key(1)]) == (0, 1)  # read-locked while being stored
+        a.store_gate.set()
+        eventually(lambda: l1.report_status()["pinned_bytes"] == 0)
+        assert len(a.data) == 3
+    finally:
+        sm.close()
+
+
+def test_store_cap_of_32_tasks_per_adapter():
+    a = ScriptedAdapter()
+    a.store_gate.clear()
+    sm = make_sm([scripted(a)], slots=128)
+    try:
+        # distinct kv ranks make distinct tasks
+        keys = [ObjectKey(b"\x01", "model", r) for r in range(40)]
+        for k in keys:
+            write(sm, [k])
+        eventually(lambda: len(a.store_calls) == 32)
+        time.sleep(0.2)
+        assert len(a.store_calls) == 32
+        assert sm.report_status()["store_controllers"][0]["pending_keys"] == 8
+        a.store_gate.set()
+        eventually(lambda: len(a.data) == 40)
+        assert a.max_inflight_stores <= 32
+    finally:
+        sm.close()
+
+
+def test_skip_l1_buffer_only_mode_deletes_after_store():
+    a, b = ScriptedAdapter(), ScriptedAdapter()
+    sm = make_sm([scripted(a), scripted(b)], l2_store_policy="skip_l1", policy="noop")
+    try:
+        write(sm, [key(1), key(2)])
+        eventually(lambda: len(a.data) == 2 and len(b.data) == 2)
+        l1 = sm.get_l1_manager()
+        eventually(lambda: l1.keys() == [])
+        eventually(lambda: l1.get_memory_usage()[0] == 0)
+    finally:
+        sm.close()
+
+
+class OnlyFirstAdapter(StorePolicy):
+    def select_store_targets(self, keys, adapter_descriptors):
+        return {adapter_descriptors[0].index: keys} if adapter_descriptors else {}
+
+
+class SkipAll(StorePolicy):
+    def select_store_targets(self, keys, adapter_descriptors):
+        return {}
+
+
+class DropFromL1(StorePolicy):
+    def select_l1_deletions(self, keys):
+        return [k for k in keys if k.chunk_hash[-1] % 2 == 0]
+
+
+register_store_policy("test_only_first", OnlyFirstAdapter)
+register_store_policy("test_skip_all", SkipAll)
+register_store_policy("test_drop_even", DropFromL1)
+
+
+def test_custom_store_policies():
+    a, b = ScriptedAdapter(), ScriptedAdapter()
+    sm = make_sm([scripted(a), scripted(b)], l2_store_policy="test_only_first")
+    try:
+        write(sm, [key(1)])
+        eventually(lambda: key(1) in a.data)
+        time.sleep(0.1)
+        assert b.data == {}
+    finally:
+        sm.close()
+    c = ScriptedAdapter()
+    sm = make_sm([scripted(c)], l2_store_policy="test_skip_all")
+    try:
+        write(sm, [key(1)])
+        time.sleep(0.2)
+        assert c.store_calls == []
+    finally:
+        sm.close()
+    d = ScriptedAdapter()
+    sm = make_sm([scripted(d)], l2_store_policy="test_drop_even")
+    try:
+        write(sm, [key(1), key(2)])
+        eventually(lambda: len(d.data) == 2)
+        l1 = sm.get_l1_manager()
+        eventually(lambda: l1.keys() == [key(1)])
+    finally:
+        sm.close()
+
+
+def test_legacy_true_store_result_is_normalised(caplog):
+    a = ScriptedAdapter()
+    a.store_returns = True
+    sm = make_sm([scripted(a)])
+    try:
+        write(sm, [key(1)])
+        eventually(lambda: sm.report_status()["store_controllers"][0]["completed_tasks"] == 1)
+        st = sm.report_status()["store_controllers"][0]
+        assert st["stored_bytes"] == 4096 and st["failed_tasks"] == 0
+        assert any("instead of L2StoreResult" in r.getMessage() for r in caplog.records)
+    finally:
+        sm.close()
+
+
+# --- prefetch controller --------------------------------------------------------------------------
+
+
+def test_full_prefix_hit_from_l2_locks_in_l1():
+    a = ScriptedAdapter()
+    sm = make_sm([scripted(a)])
+    try:
+        keys = [key(i) for i in range(5)]
+        write(sm, keys)
+        eventually(lambda: len(a.data) == 5)
+        sm.delete_l1_keys(keys)
+        r = prefetch(sm, spec(keys))
+        assert repr(r.hit_cells[0]) == "11111" and repr(r.l2_hit_cells[0]) == "11111"
+        assert r.l1_hit_cells[0].popcount() == 0 and r.l1_owners == [[0] * 5]
+        l1 = sm.get_l1_manager()
+        assert all(l1.is_read_locked(k) for k in keys)
+        with sm.read_prefetched_results(keys, r.l1_owners[0]) as objs:
+            assert [o.tensor[0].item() for o in objs] == [0.0, 1.0, 2.0, 3.0, 4.0]
+        sm.finish_read_prefetched(keys, 1, r.l1_owners[0])
+        assert l1.keys() == []  # default policy: loaded keys were temporary
+        assert a.locked() == 0
+        assert l1.memcheck()
+    finally:
+        sm.close()
+
+
+def test_retain_policy_keeps_loaded_keys():
+    a = ScriptedAdapter()
+    sm = make_sm([scripted(a)], l2_prefetch_policy="retain")
+    try:
+        keys = [key(i) for i in range(3)]
+        write(sm, keys)
+        eventually(lambda: len(a.data) == 3)
+        sm.delete_l1_keys(keys)
+        r = prefetch(sm, spec(keys))
+        sm.finish_read_prefetched(keys, 1, r.l1_owners[0])
+        assert set(sm.get_l1_manager().keys()) == set(keys)
+    finally:
+        sm.close()
+
+
+def test_l1_hits_are_not_looked_up_in_l2():
+    a = ScriptedAdapter()
+    sm = make_sm([scripted(a)])
+    try:
+        keys = [key(i) for i in range(4)]
+        write(sm, keys)
+        eventually(lambda: len(a.data) == 4)
+        sm.delete_l1_keys(keys[2:])
+        r = prefetch(sm, spec(keys))
+        assert repr(r.l1_hit_cells[0]) == "1100" and repr(r.l2_hit_cells[0]) == "0011"
+        assert a.lookup_calls[-1] == keys[2:]
+        sm.finish_read_prefetched(keys, 1, r.l1_owners[0])
+    finally:
+        sm.close()
+
+
+def test_gap_gives_prefix_and_loads_nothing_past_it():
+    a = ScriptedAdapter()
+    sm = make_sm([scripted(a)])
+    try:
+        keys = [key(i) for i in range(5)]
+        write(sm, keys)
+        eventually(lambda: len(a.data) == 5)
+        sm.delete_l1_keys(keys)
+        del a.data[key(2)]
+        r = prefetch(sm, spec(keys))
+        assert r.hit_prefix_length() == 2 and repr(r.hit_cells[0]) == "11000"
+        assert a.load_calls[-1] == keys[:2]
+        assert a.locked() == 0  # keys past the gap were unlocked
+        l1 = sm.get_l1_manager()
+        assert not l1.contains(key(3)) and not l1.contains(key(4))
+        sm.finish_read_prefetched(keys[:2], 1, r.l1_owners[0][:2])
+    finally:
+        sm.close()
+
+
+def test_fault_inject_gap_and_missing_first_key_give_zero_hits():
+    fi = parse_l2_adapter_dict(1, {
+        "type": "fault_inject", "gap_indices": [0],
+        "inner": {"type": "mock", "max_size_gb": 0.01, "mock_bandwidth_gb": 100},
+    })
+    sm = make_sm([fi])
+    try:
+        keys = [key(i) for i in range(4)]
+        write(sm, keys)
+        adapter = sm.get_l2_adapters()[0]
+        eventually(lambda: adapter.inner.debug_num_keys() == 4)
+        sm.delete_l1_keys(keys)
+        r = prefetch(sm, spec(keys))
+        assert r.hit_cells[0].popcount() == 0
+        l1 = sm.get_l1_manager()
+        assert l1.keys() == [] and l1.report_status()["staging_bytes"] == 0
+        # missing key 0 everywhere: nothing is loaded at all
+        adapter.inner.delete([keys[0]])
+        r = prefetch(sm, spec(keys))
+        assert r.hit_cells[0].popcount() == 0
+    finally:
+        sm.close()
+
+
+def test_disjoint_adapters_compose_a_full_prefix():
+    a, b = ScriptedAdapter(), ScriptedAdapter()
+    sm = make_sm([scripted(a), scripted(b)])
+    try:
+        keys = [key(i) for i in range(4)]
+        write(sm, keys)
+        eventually(lambda: len(a.data) == 4 and len(b.data) == 4)
+        sm.delete_l1_keys(keys)
+        for k in keys[::2]:
+            del a.data[k]
+        for k in keys[1::2]:
+            del b.data[k]
+        r = prefetch(sm, spec(keys))
+        assert repr(r.hit_cells[0]) == "1111"
+        assert set(a.load_calls[-1] + b.load_calls[-1]) == set(keys)
+        assert len(a.load_calls[-1]) == len(b.load_calls[-1]) == 2
+        sm.finish_read_prefetched(keys, 1, r.l1_owners[0])
+        assert a.locked() == 0 and b.locked() == 0
+    finally:
+        sm.close()
+
+
+def test_lowest_index_adapter_serves_shared_cells():
+    a, b = ScriptedAdapter(), ScriptedAdapter()
+    sm = make_sm([scripted(a), scripted(b)])
+    try:
+        keys = [key(i) for i in range(3)]
+        write(sm, keys)
+        eventually(lambda: len(a.data) == 3 and len(b.data) == 3)
+        sm.delete_l1_keys(keys)
+        r = prefetch(sm, spec(keys))
+        assert r.hit_prefix_length() == 3
+        assert b.load_calls == [] and a.load_calls[-1] == keys
+        assert b.locked() == 0  # b's unplanned locks were released
+        sm.finish_read_prefetched(keys, 1, r.l1_owners[0])
+    finally:
+        sm.close()
+
+
+def test_no_lock_mode_retains_and_releases():
+    a = ScriptedAdapter()
+    sm = make_sm([scripted(a)])
+    try:
+        keys = [key(i) for i in range(3)]
+        write(sm, keys)
+        eventually(lambda: len(a.data) == 3)
+        sm.delete_l1_keys(keys[1:])
+        r = prefetch(sm, spec(keys, lock_mode=LockMode.NO_LOCK))
+        assert r.hit_prefix_length() == 3
+        l1 = sm.get_l1_manager()
+        assert not any(l1.is_read_locked(k) for k in keys)
+        assert set(l1.keys()) == set(keys)  # loaded keys retained
+    finally:
+        sm.close()
+
+
+def test_full_policy_and_sliding_window_rejection():
+    a = ScriptedAdapter()
+    sm = make_sm([scripted(a)])
+    try:
+        keys = [key(i) for i in range(4)]
+        write(sm, keys)
+        eventually(lambda: len(a.data) == 4)
+        sm.delete_l1_keys(keys)
+        del a.data[key(1)]
+        r = prefetch(sm, spec(keys, fetching_policy="full"))
+        assert repr(r.hit_cells[0]) == "1011" and repr(r.found_cells[0]) == "1011"
+        sm.finish_read_prefetched([keys[0], keys[2], keys[3]], 1, [0, 0, 0])
+        sw = PrefetchTaskSpec([GroupedObjectKeys(keys, 0, LAYOUT, sliding_window_size=2)],
+                              fetching_policy="full")
+        with pytest.raises(ValueError, match="sliding windows"):
+            sm.submit_prefetch_task(sw)
+    finally:
+        sm.close()
+
+
+def test_sliding_window_group_needs_only_last_chunks():
+    a = ScriptedAdapter()
+    sm = make_sm([scripted(a)])
+    try:
+        full = [key(i) for i in range(4)]
+        swk = [ObjectKey(ObjectKey.IntHash2Bytes(i), "model", KV, object_group_id=1) for i in range(4)]
+        write(sm, full + swk[2:])
+        r = prefetch(sm, PrefetchTaskSpec([
+            GroupedObjectKeys(full, 0, LAYOUT),
+            GroupedObjectKeys(swk, 1, LAYOUT, sliding_window_size=2),
+        ], fetching_policy="prefix"))
+        assert r.hit_prefix_length() >= 0
+        assert repr(r.hit_cells[0]) == "1111" and repr(r.hit_cells[1]) == "0011"
+    finally:
+        sm.close()
+
+
+def test_skip_l2_and_empty_requests_are_served_synchronously():
+    a = ScriptedAdapter()
+    sm = make_sm([scripted(a)])
+    try:
+        h = sm.submit_prefetch_task(spec([]))
+        assert h.prefetch_request_id == -1 and sm.wait_prefetch_status(h, 0)
+        write(sm, [key(1)])
+        h = sm.submit_prefetch_task(spec([key(1), key(2)]), skip_l2=True)
+        r = sm.query_prefetch_status(h)  # already complete
+        assert repr(r.hit_cells[0]) == "10" and a.lookup_calls == []
+    finally:
+        sm.close()
+
+
+def test_hung_lookup_hits_deadline_and_late_result_is_unlocked():
+    a = ScriptedAdapter()
+    sm = make_sm([scripted(a)], l2_lookup_timeout_seconds=0.3)
+    try:
+        keys = [key(i) for i in range(3)]
+        write(sm, keys)
+        eventually(lambda: len(a.data) == 3)
+        sm.delete_l1_keys(keys)
+        a.lookup_gate.clear()
+        r = prefetch(sm, spec(keys))
+        assert r.hit_cells[0].popcount() == 0
+        a.lookup_gate.set()  # the late result arrives
+        eventually(lambda: a.lookup_calls and a.locked() == 0 and not a.lookup_done)
+        eventually(lambda: sm.prefetch_controller.inflight_for(0) == 0)
+    finally:
+        sm.close()
+
+
+def test_hung_load_keeps_buffers_pinned_until_late_result():
+    a = ScriptedAdapter()
+    sm = make_sm([scripted(a)], l2_load_timeout_seconds=0.3)
+    try:
+        keys = [key(i) for i in range(3)]
+        write(sm, keys)
+        eventually(lambda: len(a.data) == 3)
+        sm.delete_l1_keys(keys)
+        a.load_gate.clear()
+        r = prefetch(sm, spec(keys))
+        assert r.hit_cells[0].popcount() == 0
+        l1 = sm.get_l1_manager()
+        assert l1.report_status()["pinned_bytes"] == 3 * 4096  # adapter may still write
+        a.load_gate.set()
+        eventually(lambda: l1.report_status()["pinned_bytes"] == 0)
+        eventually(lambda: l1.get_memory_usage()[0] == 0 and a.locked() == 0)
+        assert l1.memcheck()
+    finally:
+        sm.close()
+
+
+def test_three_expiries_suspend_the_adapter():
+    a = ScriptedAdapter()
+    sm = make_sm([scripted(a)], l2_lookup_timeout_seconds=0.1)
+    try:
+        a.lookup_gate.clear()
+        for i in range(3):
+            prefetch(sm, spec([key(100 + i)]))
+        st = sm.report_status()
+        assert st["l2_adapters"][0]["suspended_from_prefetch"] is True
+        assert st["l2_adapters"][0]["is_healthy"] is False
+        calls = len(a.lookup_calls)
+        r = prefetch(sm, spec([key(200)]))  # treated as a miss without asking the adapter
+        assert r.hit_cells[0].popcount() == 0 and len(a.lookup_calls) == calls
+        a.lookup_gate.set()
+    finally:
+        sm.close()
+
+
+def test_one_argument_lookup_plugin_works_under_prefetch():
+    class OneArg(ScriptedAdapter):
+        def submit_lookup_and_lock_task(self, keys):  # 0.5.x signature
+            return super().submit_lookup_and_lock_task(keys)
+
+    a = OneArg()
+    sm = make_sm([scripted(a)])
+    try:
+        write(sm, [key(1)])
+        eventually(lambda: key(1) in a.data)
+        sm.delete_l1_keys([key(1)])
+        r = prefetch(sm, spec([key(1)]))
+        assert r.hit_cells[0].test(0) is True
+    finally:
+        sm.close()
+
+
+def test_store_and_prefetch_race_on_same_keys():
+    a = ScriptedAdapter()
+    sm = make_sm([scripted(a)], slots=256)
+    errors: list[BaseException] = []
+    keys = [key(i) for i in range(16)]
+
+    def writer(seed: int) -> None:
+        try:
+            for _ in range(15):
+                write(sm, keys, value=7.0)
+                sm.delete_l1_keys(keys[seed::4])
+        except BaseException as exc:
+            errors.append(exc)
+
+    def reader() -> None:
+        try:
+            for _ in range(15):
+                r = prefetch(sm, spec(keys))
+                n = r.hit_prefix_length()
+                owners = r.l1_owners[0][:n]
+                with sm.read_prefetched_results(keys[:n], owners) as objs:
+                    assert objs is not None
+                    for o in objs:
+                        assert o.tensor[0].item() == 7.0
+                sm.finish_read_prefetched(keys[:n], 1, owners)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=writer, args=(i,)) for i in range(2)]
+    threads += [threading.Thread(target=reader) for _ in range(3)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert not errors, errors
+        l1 = sm.get_l1_manager()
+        eventually(lambda: l1.report_status()["pinned_bytes"] == 0)
+        eventually(lambda: l1.report_status()["read_locked_count"] == 0)
+        assert l1.memcheck() and a.locked() == 0
+    finally:
+        sm.close()
+
+
+# --- adapters at runtime, status, errors ---------------------------------------------------------------
+
+
+def test_add_and_delete_adapter_at_runtime():
+    a = ScriptedAdapter()
+    sm = make_sm([])
+    try:
+        idx = sm.add_l2_adapter(scripted(a))
+        write(sm, [key(1)])
+        eventually(lambda: key(1) in a.data)
+        a.store_gate.clear()
+        write(sm, [key(2)])
+        eventually(lambda: sm.store_controllers[0].inflight_for(idx) == 1)
+        done = threading.Event()
+        threading.Thread(target=lambda: (sm.delete_l2_adapter(idx, timeout=10), done.set())).start()
+        time.sleep(0.1)
+        assert not done.is_set()  # drains first
+        a.store_gate.set()
+        assert done.wait(10) and a.closed
+        assert sm.get_l2_adapters() == [] and sm.delete_l2_adapter(idx) is False
+        assert sm.get_l1_manager().report_status()["pinned_bytes"] == 0
+    finally:
+        sm.close()
+
+
+def test_fd_collision_fails_registration_naming_both():
+    a = ScriptedAdapter()
+    b = ScriptedAdapter()
+    b.n = a.n  # same fds
+    with pytest.raises(ValueError, match=r"collides with adapter #0"):
+        make_sm([scripted(a), scripted(b)])
+
+
+def test_failed_construction_unwinds():
+    with pytest.raises(ValueError, match="affinity_tag"):
+        cfg = scripted(ScriptedAdapter())
+        cfg.affinity_tag = "nope"
+        make_sm([cfg])
+
+
+def test_status_and_usage_by_salt():
+    a = ScriptedAdapter()
+    sm = make_sm([scripted(a)])
+    try:
+        write(sm, [key(1, "t1"), key(2, "t2")])
+        eventually(lambda: len(a.data) == 2)
+        assert sm.get_usage_bytes_by_cache_salt() == {"t1": 4096, "t2": 4096}
+        st = sm.report_status()
+        assert st["is_healthy"] is True
+        for k in ("l1_managers", "l1_eviction_controllers", "store_controllers",
+                  "prefetch_controller", "l2_eviction_controller", "l2_adapters"):
+            assert k in st
+        assert st["l2_adapters"][0]["type"] == "scripted_test"
+        assert st["prefetch_controller"]["max_in_flight"] == 8
+        assert sm.memcheck()
+    finally:
+        sm.close()
+
+
+def test_serde_blocks_are_refused_clearly():
+    cfg = parse_l2_adapter_dict(1, {"type": "mock", "max_size_gb": 0.01, "mock_bandwidth_gb": 1,
+                                    "serde": {"type": "zstd"}})
+    with pytest.raises(ValueError, match="serde"):
+        make_sm([cfg])

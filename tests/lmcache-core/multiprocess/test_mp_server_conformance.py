@@ -1,0 +1,466 @@
+"""protocol.md 15 conformance checklist against a real `lmcache server` over real sockets."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import pickle
+import time
+
+import httpx
+import msgspec
+import pytest
+import torch
+
+from lmcache.v1.multiprocess import protocol as P
+from lmcache.v1.multiprocess.client import LMCacheTimeoutError, MPClient
+from lmcache.v1.multiprocess.protocol import RemoteError
+
+_models = itertools.count()
+
+
+def _model() -> str:
+    return f"model-{os.getpid()}-{next(_models)}"
+
+
+@pytest.fixture(scope="module")
+def srv(lmcache_server_module):
+    """A server on the copy path (no SHM)."""
+    return lmcache_server_module()
+
+
+@pytest.fixture(scope="module")
+def srv_shm(lmcache_server_module):
+    return lmcache_server_module("--shm-name", f"conf{os.getpid()}")
+
+
+@pytest.fixture
+def client(srv):
+    c = MPClient(srv.rpc_url, default_timeout=20)
+    yield c
+    c.close()
+
+
+# --- 4-6: framing -----------------------------------------------------------------------
+
+
+def test_get_chunk_size_echoes_uid_and_op_bytes(srv, mp):
+    peer = mp.RawPeer(srv.rpc_url)
+    try:
+        for op in (21, "get_chunk_size"):
+            uid, op_b = msgspec.msgpack.encode(77), msgspec.msgpack.encode(op)
+            peer.send([uid, op_b])
+            frames = peer.recv()
+            assert frames == [uid, op_b, msgspec.msgpack.encode(256)]
+    finally:
+        peer.close()
+
+
+def test_noop_and_ping(client):
+    assert client.noop() == "OK"
+    assert client.ping(None) is True
+    assert client.ping(123456789) is True
+
+
+def test_replies_without_payload_have_three_frames(srv, mp):
+    peer = mp.RawPeer(srv.rpc_url)
+    try:
+        frames = peer.request(8, P.to_builtins(mp.key("noreg", worker_id=None, model=_model())), 1)
+        assert frames is not None and len(frames) == 2  # DEALER sees [uid, op]: no payload frame
+        frames = peer.request(9, "never-looked-up")
+        assert len(frames) == 3 and msgspec.msgpack.decode(frames[2]) == 0
+    finally:
+        peer.close()
+
+
+# --- 7-9: lookups ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("negotiate", [False, True], ids=["pickle", "raw_v1"])
+def test_lookup_after_store_then_query_once(srv, mp, negotiate):
+    model = _model()
+    kv = mp.make_kv()
+    c, ctx = mp.worker(srv.rpc_url, kv, negotiate=negotiate, model=model)
+    try:
+        assert ctx.mode == ("raw_v1" if negotiate else "pickle")
+        assert ctx.submit_store(mp.key("s1", model=model), list(range(1, 33))).result(20) is True
+        rid = "q-" + model
+        assert mp.lookup_hits(c, model=model, rid=rid) == 2
+        assert c.call("query_prefetch_status", rid) == 0  # delivered exactly once
+        assert c.call("query_prefetch_status", "unknown-" + model) == 0
+        changed = [999, *mp.TOKENS[1:]]
+        assert mp.lookup_hits(c, tokens=changed, model=model) == 0
+        first_only = mp.TOKENS[:256] + [7] * 256
+        assert mp.lookup_hits(c, tokens=first_only, model=model) == 1
+    finally:
+        ctx.close()
+        c.close()
+
+
+def test_lookup_unregistered_model_early_exit(srv, client, mp):
+    before = mp.metric(srv, "lmcache_mp_lookup_early_exit_requests_total", reason="no_gpu_context")
+    assert mp.lookup_hits(client, model=_model()) == 0
+    after = mp.metric(srv, "lmcache_mp_lookup_early_exit_requests_total", reason="no_gpu_context")
+    assert after == before + 1
+
+
+# --- 10-13: stores and retrieves ------------------------------------------------------------
+
+
+def test_all_or_nothing_retrieve_engine_driven(srv, mp):
+    model = _model()
+    kv = mp.make_kv()
+    c, ctx = mp.worker(srv.rpc_url, kv, model=model)
+    try:
+        assert ctx.submit_store(mp.key("a", model=model, end=256), list(range(1, 17))).result(20)
+        rid = "r-" + model
+        assert mp.lookup_hits(c, model=model, rid=rid) == 1
+        reply = c.call("prepare_retrieve", mp.key(rid, model=model), ctx.instance_id)
+        assert reply["success"] is False
+        dest = mp.make_kv(zeros=True)
+        c2, ctx2 = mp.worker(srv.rpc_url, dest, model=model)
+        assert ctx2.submit_retrieve(mp.key(rid, model=model), list(range(1, 33))).result(20) is False
+        assert all(int(t.abs().sum()) == 0 for t in dest)
+        ctx2.close()
+        c2.close()
+    finally:
+        ctx.close()
+        c.close()
+
+
+def test_all_or_nothing_retrieve_cpu_shm(srv, mp):
+    model = _model()
+    kv = mp.make_kv()
+    c, ctx = mp.worker(srv.rpc_url, kv, mode="lmcache_driven", model=model)
+    try:
+        assert ctx.submit_store(mp.key("a", model=model, end=256), list(range(1, 17))).result(20)
+        rid = "r-" + model
+        assert mp.lookup_hits(c, model=model, rid=rid) == 1
+        dest = mp.make_kv(zeros=True)
+        c2, ctx2 = mp.worker(srv.rpc_url, dest, mode="lmcache_driven", model=model)
+        assert ctx2.submit_retrieve(mp.key(rid, model=model), list(range(1, 33))).result(20) is False
+        assert all(int(t.abs().sum()) == 0 for t in dest)
+        ctx2.close()
+        c2.close()
+    finally:
+        ctx.close()
+        c.close()
+
+
+def test_duplicate_store_returns_true(srv, mp):
+    model = _model()
+    c, ctx = mp.worker(srv.rpc_url, mp.make_kv(), model=model, negotiate=False)
+    try:
+        for _ in range(2):
+            assert ctx.submit_store(mp.key("d", model=model), list(range(1, 33))).result(20) is True
+    finally:
+        ctx.close()
+        c.close()
+
+
+def test_pickle_commit_with_wrong_shape_is_false(srv, mp):
+    model = _model()
+    c, ctx = mp.worker(srv.rpc_url, mp.make_kv(), model=model, negotiate=False)
+    try:
+        k = mp.key("w", model=model)
+        assert c.call("prepare_store", k, ctx.instance_id) == {"context": {}}
+        bad = pickle.dumps([torch.zeros(3, 3, dtype=torch.float16)] * 2)
+        assert c.call("commit_store", k, ctx.instance_id, bad) is False
+        assert mp.lookup_hits(c, model=model) == 0
+    finally:
+        ctx.close()
+        c.close()
+
+
+class _Evil:
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.path}",))
+
+
+def test_pickle_with_forbidden_global_is_rejected(srv, mp, tmp_path):
+    model = _model()
+    marker = tmp_path / "pwned"
+    before = mp.metric(srv, "lmcache_mp_rejected_payloads_total")
+    c, ctx = mp.worker(srv.rpc_url, mp.make_kv(), model=model, negotiate=False)
+    try:
+        k = mp.key("e", model=model)
+        c.call("prepare_store", k, ctx.instance_id)
+        assert c.call("commit_store", k, ctx.instance_id, pickle.dumps([_Evil(str(marker))])) is False
+        assert not marker.exists()
+        assert c.noop() == "OK"
+        assert mp.metric(srv, "lmcache_mp_rejected_payloads_total") == before + 1
+        assert mp.lookup_hits(c, model=model) == 0
+    finally:
+        ctx.close()
+        c.close()
+
+
+# --- 14-17: errors and registration ------------------------------------------------------------
+
+
+def test_num_kv_readers_zero_rejected(srv, mp):
+    k = mp.key("z", worker_id=None, readers=0)
+    with MPClient(srv.rpc_url) as c:
+        with pytest.raises(LMCacheTimeoutError):
+            c.submit("lookup", k, 1).result(2)
+        assert c.negotiate_default_features() == {"error_replies", "raw_payload_v1"}
+        with pytest.raises(RemoteError) as exc:
+            c.submit("lookup", k, 1).result(5)
+        assert exc.value.code == "INVALID_ARGUMENT" and "num_kv_readers" in exc.value.message
+
+
+def test_unknown_op_then_service_continues(srv, mp):
+    with MPClient(srv.rpc_url) as c:
+        with pytest.raises(LMCacheTimeoutError):
+            c.submit(999).result(1)
+        c.negotiate_default_features()
+        with pytest.raises(RemoteError) as exc:
+            c.submit(999).result(5)
+        assert exc.value.code == "UNKNOWN_OP"
+        with pytest.raises(RemoteError) as exc:
+            c.submit(29).result(5)  # known LATER op (p2p)
+        assert exc.value.code == "NOT_SUPPORTED"
+        assert c.noop() == "OK"
+
+
+def test_garbage_frames_do_not_stop_service(srv, mp):
+    peer = mp.RawPeer(srv.rpc_url)
+    try:
+        peer.send([b"\xc1\xc1"])  # too few frames
+        peer.send([b"\xc1", b"\xc1", b"\xc1"])  # undecodable uid/op
+        peer.send([msgspec.msgpack.encode(1), msgspec.msgpack.encode(21), b"extra"])  # wrong count
+        peer.send([msgspec.msgpack.encode(2), msgspec.msgpack.encode(8), b"\x93\x01"])  # bad key type
+        assert peer.recv(1.0) is None
+    finally:
+        peer.close()
+    with MPClient(srv.rpc_url) as c:
+        assert c.noop() == "OK"
+
+
+def test_prepare_store_unregistered_instance(srv, mp):
+    k = mp.key("u")
+    with MPClient(srv.rpc_url) as c:
+        assert set(c.get_experimental()) >= {"error_replies", "raw_payload_v1"}
+        with pytest.raises(LMCacheTimeoutError):
+            c.submit("prepare_store", k, 424242).result(1.5)
+        c.negotiate_default_features()
+        with pytest.raises(RemoteError) as exc:
+            c.submit("prepare_store", k, 424242).result(5)
+        assert exc.value.code == "NOT_REGISTERED" and exc.value.retryable
+
+
+def test_registration_is_idempotent(srv, mp):
+    model = _model()
+    kv = mp.make_kv()
+    for mode, unreg in (("engine_driven", 15), ("lmcache_driven", 2)):
+        c, ctx = mp.worker(srv.rpc_url, kv, mode=mode, model=model)
+        try:
+            ctx.register(model, 1)  # again, same id
+            ids = mp.status(srv)
+            key = "non_cuda_context_meta" if mode == "engine_driven" else "cache_context_meta"
+            assert str(ctx.instance_id) in ids[key]
+            assert c.call(unreg, 987654321) is None  # unknown id is fine
+            assert c.call(unreg, ctx.instance_id) is None
+            assert c.call(unreg, ctx.instance_id) is None
+        finally:
+            ctx.close()
+            c.close()
+
+
+# --- 20-24: L1 pressure, sessions, locks ----------------------------------------------------
+
+
+def test_store_larger_than_l1_is_false(lmcache_server, mp):
+    srv = lmcache_server("--l1-size-gb", "0.001", "--l1-init-size-gb", "0")
+    model = _model()
+    # one chunk is 2*4*256*16*64*2 bytes = 4 MiB > 1 MiB of L1
+    kv = mp.make_kv(num_layers=4, heads=16, head_size=64)
+    c, ctx = mp.worker(srv.rpc_url, kv, model=model)
+    try:
+        before = mp.metric(srv, "lmcache_mp_l1_allocation_failure_chunks_total")
+        assert ctx.submit_store(mp.key("big", model=model), list(range(1, 33))).result(20) is False
+        after = mp.metric(srv, "lmcache_mp_l1_allocation_failure_chunks_total")
+        assert after > before, srv.log()
+    finally:
+        ctx.close()
+        c.close()
+
+
+def test_new_tokens_under_same_request_id_are_rehashed(srv, mp):
+    model = _model()
+    c, ctx = mp.worker(srv.rpc_url, mp.make_kv(), model=model)
+    try:
+        tokens_b = [5, *mp.TOKENS[1:]]
+        assert ctx.submit_store(mp.key("R", model=model), list(range(1, 33))).result(20)
+        assert ctx.submit_store(mp.key("R", model=model, tokens=tokens_b), list(range(1, 33))).result(20)
+        assert mp.lookup_hits(c, tokens=tokens_b, model=model) == 2
+    finally:
+        ctx.close()
+        c.close()
+
+
+def test_free_lookup_locks_and_clear(srv, mp):
+    model = _model()
+    c, ctx = mp.worker(srv.rpc_url, mp.make_kv(), model=model)
+    try:
+        assert ctx.submit_store(mp.key("f", model=model), list(range(1, 33))).result(20)
+        rid = "free-" + model
+        assert mp.lookup_hits(c, model=model, rid=rid) == 2
+        # locked objects survive clear(force=false)
+        assert c.call("clear", False) is None
+        assert mp.lookup_hits(c, model=model) == 2
+        k = mp.key(rid, model=model, worker_id=None)
+        assert c.call("free_lookup_locks", mp.key(rid, model=model, worker_id=None, start=0, end=0), 1) is None
+        assert c.call("free_lookup_locks", k, 1) is None
+        assert c.call("free_lookup_locks", k, 1) is None  # repeated: no-op
+        # the second lookup above still holds locks until its session ends
+        assert c.call("clear", False) is None
+        hits_after = mp.lookup_hits(c, model=model)
+        assert hits_after in (0, 2)
+        assert c.call("clear", True) is None
+        assert mp.lookup_hits(c, model=model) == 0
+    finally:
+        ctx.close()
+        c.close()
+
+
+def test_clear_after_free_removes_objects(srv, mp):
+    model = _model()
+    c, ctx = mp.worker(srv.rpc_url, mp.make_kv(), model=model)
+    try:
+        assert ctx.submit_store(mp.key("f", model=model), list(range(1, 33))).result(20)
+        rid = "free2-" + model
+        assert mp.lookup_hits(c, model=model, rid=rid) == 2
+        assert c.call("free_lookup_locks", mp.key(rid, model=model, worker_id=None), 1) is None
+        assert c.call("clear", False) is None
+        assert mp.lookup_hits(c, model=model) == 0
+    finally:
+        ctx.close()
+        c.close()
+
+
+def test_session_ttl_counts_from_last_use(lmcache_server, mp):
+    srv = lmcache_server("--session-ttl-seconds", "2")
+    model = _model()
+    c, ctx = mp.worker(srv.rpc_url, mp.make_kv(), model=model)
+    try:
+        assert ctx.submit_store(mp.key("s", model=model), list(range(1, 33))).result(20)
+        live = mp.key("live", model=model, worker_id=None)
+        idle = mp.key("idle", model=model, worker_id=None)
+        c.call("lookup", live, 1)
+        c.call("lookup", idle, 1)
+        for _ in range(10):  # touch "live" every 0.5 s for 5 s
+            c.call("free_lookup_locks", mp.key("live", model=model, worker_id=None, start=0, end=0), 1)
+            time.sleep(0.5)
+        # "idle" expired (its result is gone), "live" still has its unconsumed result
+        assert c.call("query_prefetch_status", "idle") == 0
+        assert c.call("query_prefetch_status", "live") == 2
+    finally:
+        ctx.close()
+        c.close()
+
+
+# --- 18-19: reaping ----------------------------------------------------------------------------
+
+
+def test_reaping_by_liveness(lmcache_server, mp):
+    srv = lmcache_server("--worker-reap-timeout-seconds", "2", "--worker-registration-grace-seconds", "2")
+    kv = mp.make_kv()
+    c1, silent = mp.worker(srv.rpc_url, kv)
+    c2, alive = mp.worker(srv.rpc_url, kv)
+    c3, never = mp.worker(srv.rpc_url, kv)
+    try:
+        c1.ping(silent.instance_id)
+        for _ in range(10):
+            c2.ping(alive.instance_id)
+            time.sleep(0.5)
+        ids = mp.status(srv)["registered_non_cuda_instance_ids"]
+        assert alive.instance_id in ids
+        assert silent.instance_id not in ids
+        assert never.instance_id not in ids
+        assert mp.metric(srv, "lmcache_mp_reaped_instances_total", mode="engine_driven") >= 2
+    finally:
+        for c, x in ((c1, silent), (c2, alive), (c3, never)):
+            x.close()
+            c.close()
+
+
+def test_reaping_discards_pending_shm_reservation(lmcache_server, mp):
+    srv = lmcache_server(
+        "--shm-name", f"reap{os.getpid()}", "--worker-reap-timeout-seconds", "1",
+        "--worker-registration-grace-seconds", "1",
+    )
+    model = _model()
+    c, ctx = mp.worker(srv.rpc_url, mp.make_kv(), model=model)
+    try:
+        assert ctx.mode == "SHM"
+        reply = c.call("prepare_store", mp.key("half", model=model), ctx.instance_id)
+        assert len(reply["context"]["slots"]) == 2
+        deadline = time.monotonic() + 10
+        while ctx.instance_id in mp.status(srv)["registered_non_cuda_instance_ids"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        # the model's layout stays dormant, so the lookup is a real miss, not an early exit
+        assert mp.lookup_hits(c, model=model) == 0
+    finally:
+        ctx.close()
+        c.close()
+
+
+# --- 25-27: CLI defaults, SHM, HTTP -------------------------------------------------------------
+
+
+def test_no_flag_start_defaults(lmcache_server, mp):
+    srv = lmcache_server(test_defaults=False)
+    st = mp.status(srv)
+    assert st["l1_size_bytes"] == 4 << 30
+    assert st["eviction_policy"] == "LRU"
+    assert st["transfer_modes"] == ["lmcache_driven", "engine_driven"]
+
+
+def test_shm_registration_and_disabled_reason(lmcache_server, srv_shm, mp):
+    c, ctx = mp.worker(srv_shm.rpc_url, mp.make_kv())
+    try:
+        reply = c.call(
+            "register_kv_cache_engine_driven_context",
+            P.RegisterEngineDrivenContextPayload(
+                instance_id=ctx.instance_id, model_name="m", world_size=1, block_size=16,
+                num_layers=2, hidden_dim_size=16, dtype_str="float16",
+            ),
+        )
+        assert reply["shm_name"] == f"lmcache_l1_pool_conf{os.getpid()}" and reply["pool_size"] > 0
+    finally:
+        ctx.close()
+        c.close()
+
+
+def test_shm_larger_than_dev_shm_is_reported(lmcache_server, mp):
+    free = os.statvfs("/dev/shm")
+    too_big_gb = str((free.f_bavail * free.f_frsize) // (1 << 30) + 1)
+    try:
+        big = lmcache_server(
+            "--shm-name", f"big{os.getpid()}", "--l1-size-gb", too_big_gb, "--l1-init-size-gb", "0"
+        )
+    except RuntimeError as exc:
+        if "Cannot allocate memory" in str(exc):
+            pytest.xfail("lazy L1 larger than RAM cannot be reserved on this host (storage allocator)")
+        raise
+    st = mp.status(big)
+    assert st["engine_driven"]["shm_enabled"] is False and st["engine_driven"]["shm_disabled_reason"]
+    assert "SHM" in big.log() and "WARNING" in big.log()
+
+
+def test_http_endpoints(srv, mp):
+    base = srv.http_url
+    assert httpx.get(base + "/").json() == {"status": "ok", "service": "LMCache HTTP API"}
+    assert httpx.get(base + "/healthcheck").json() == {"status": "healthy"}
+    assert httpx.get(base + "/cache/objects", params={"tier": "l1"}).status_code == 400
+    assert httpx.get(base + "/cache/objects", params={"tier": "l2"}).status_code == 503
+    assert "lmcache_mp_lookup_hit_tokens_total" in httpx.get(base + "/metrics").text
+    assert httpx.post(base + "/run_script", json={}).status_code == 404
+    env = httpx.get(base + "/env").json()
+    assert all(v == "***" for k, v in env.items() if "SECRET" in k.upper())
+    assert httpx.post(base + "/cache/clear", json={"tier": "l1"}).json()["ok"] is True

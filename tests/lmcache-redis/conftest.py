@@ -1,0 +1,168 @@
+"""A real redis-server on a free loopback port, plus a minimal RESP client to inspect it."""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("lmcache.storage.redis", reason="lmcache-redis is not installed")
+
+REDIS_SERVER = shutil.which("redis-server")
+
+
+def _load_helpers() -> Any:
+    path = Path(__file__).resolve().parent.parent / "native" / "l2_helpers.py"
+    spec = importlib.util.spec_from_file_location("_lmcache_l2_test_helpers", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.Helpers
+
+
+Helpers = _load_helpers()
+
+
+@pytest.fixture
+def h() -> Any:
+    return Helpers
+
+
+@pytest.fixture
+def adapters():
+    """Collects adapters to close at teardown."""
+    made: list[Any] = []
+    yield made
+    for a in made:
+        a.close()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RawRedis:
+    """Just enough RESP2 to check what the adapter wrote."""
+
+    def __init__(self, port: int, password: str = "") -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+        self.buf = b""
+        if password:
+            assert self.cmd("AUTH", password) == "OK"
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def _line(self) -> bytes:
+        while b"\r\n" not in self.buf:
+            chunk = self.sock.recv(1 << 20)
+            if not chunk:
+                raise ConnectionError("closed")
+            self.buf += chunk
+        line, self.buf = self.buf.split(b"\r\n", 1)
+        return line
+
+    def _exact(self, n: int) -> bytes:
+        while len(self.buf) < n + 2:
+            chunk = self.sock.recv(1 << 20)
+            if not chunk:
+                raise ConnectionError("closed")
+            self.buf += chunk
+        data, self.buf = self.buf[:n], self.buf[n + 2 :]
+        return data
+
+    def _reply(self) -> Any:
+        line = self._line()
+        kind, rest = line[:1], line[1:]
+        if kind == b"+":
+            return rest.decode()
+        if kind == b"-":
+            raise RuntimeError(rest.decode())
+        if kind == b":":
+            return int(rest)
+        if kind == b"$":
+            n = int(rest)
+            return None if n < 0 else self._exact(n)
+        if kind == b"*":
+            return [self._reply() for _ in range(int(rest))]
+        raise ValueError(line)
+
+    def cmd(self, *args: Any) -> Any:
+        parts = [a if isinstance(a, bytes) else str(a).encode() for a in args]
+        out = b"*%d\r\n" % len(parts) + b"".join(b"$%d\r\n%s\r\n" % (len(p), p) for p in parts)
+        self.sock.sendall(out)
+        return self._reply()
+
+
+class RedisServer:
+    def __init__(self, tmp_path: Any, password: str = "") -> None:
+        self.port = free_port()
+        self.password = password
+        self.dir = tmp_path
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        args = [
+            REDIS_SERVER,
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(self.dir),
+            "--protected-mode",
+            "no",
+        ]
+        if self.password:
+            args += ["--requirepass", self.password]
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 15
+        while True:
+            try:
+                r = RawRedis(self.port, self.password)
+                r.cmd("PING")
+                r.close()
+                return
+            except (OSError, ConnectionError, RuntimeError):
+                if time.monotonic() > deadline or self.proc.poll() is not None:
+                    raise RuntimeError(f"redis-server did not start on port {self.port}") from None
+                time.sleep(0.05)
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+    def client(self) -> RawRedis:
+        return RawRedis(self.port, self.password)
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    if REDIS_SERVER is None:
+        pytest.skip("redis-server not installed (apt-get install redis-server)")
+    server = RedisServer(tmp_path)
+    server.start()
+    yield server
+    server.kill()
+
+
+@pytest.fixture
+def redis_server_with_password(tmp_path):
+    if REDIS_SERVER is None:
+        pytest.skip("redis-server not installed (apt-get install redis-server)")
+    server = RedisServer(tmp_path, password="s3cret")
+    server.start()
+    yield server
+    server.kill()
