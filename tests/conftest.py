@@ -51,7 +51,8 @@ class LMCacheServerProcess:
         self.rpc_url = f"tcp://127.0.0.1:{port}"
         self.http_url = f"http://127.0.0.1:{http_port}"
         self.args = args
-        self._log = tempfile.NamedTemporaryFile(prefix="lmcache-server-", suffix=".log", delete=False)
+        fd, self._log_path = tempfile.mkstemp(prefix="lmcache-server-", suffix=".log")
+        self._log = os.fdopen(fd, "wb")
         full_env = dict(os.environ)
         full_env.setdefault("LMCACHE_TRACK_USAGE", "false")
         full_env.update(env or {})
@@ -63,7 +64,7 @@ class LMCacheServerProcess:
         )
 
     def log(self) -> str:
-        with open(self._log.name, errors="replace") as f:
+        with open(self._log_path, errors="replace") as f:
             return f.read()
 
     def wait_ready(self, timeout: float = 60.0) -> None:
@@ -72,7 +73,9 @@ class LMCacheServerProcess:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"lmcache server exited with {self.proc.returncode}:\n{self.log()}")
+                raise RuntimeError(
+                    f"lmcache server exited with {self.proc.returncode}:\n{self.log()}"
+                )
             try:
                 r = httpx.get(self.http_url + "/healthcheck", timeout=1.0)
                 if r.status_code == 200:
@@ -94,8 +97,9 @@ class LMCacheServerProcess:
 
     def cleanup(self) -> None:
         self.stop()
+        self._log.close()
         try:
-            os.unlink(self._log.name)
+            os.unlink(self._log_path)
         except OSError:
             pass
 
@@ -114,7 +118,11 @@ def _server_factory():
         test_defaults: bool = True,
     ) -> LMCacheServerProcess:
         argv = list(args)
-        if test_defaults and not _has_flag(argv, "--l1-size-gb") and not _has_flag(argv, "--l1-manager"):
+        if (
+            test_defaults
+            and not _has_flag(argv, "--l1-size-gb")
+            and not _has_flag(argv, "--l1-manager")
+        ):
             argv += ["--l1-size-gb", "0.25"]
         if test_defaults and not _has_flag(argv, "--worker-reap-timeout-seconds"):
             argv += ["--worker-reap-timeout-seconds", "0"]

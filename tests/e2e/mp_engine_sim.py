@@ -29,8 +29,12 @@ def kv_cache(layout: str, seed: int, zeros: bool) -> list[torch.Tensor]:
     else:
         shape = (2, NUM_BLOCKS, BLOCK, HEADS, HEAD_SIZE)
     g = torch.Generator().manual_seed(seed)
-    return [torch.zeros(shape, dtype=torch.bfloat16) if zeros else torch.randn(shape, generator=g).bfloat16()
-            for _ in range(LAYERS)]
+    return [
+        torch.zeros(shape, dtype=torch.bfloat16)
+        if zeros
+        else torch.randn(shape, generator=g).bfloat16()
+        for _ in range(LAYERS)
+    ]
 
 
 def block_of(t: torch.Tensor, layout: str, b: int) -> torch.Tensor:
@@ -64,8 +68,14 @@ def main() -> int:
     )
     ctx.register(a.model, a.world_size)
     key = P.IPCCacheServerKey(
-        model_name=a.model, world_size=a.world_size, worker_id=a.worker_id, token_ids=tokens,
-        start=0, end=a.num_tokens, request_id=a.request_id, num_kv_readers=1,
+        model_name=a.model,
+        world_size=a.world_size,
+        worker_id=a.worker_id,
+        token_ids=tokens,
+        start=0,
+        end=a.num_tokens,
+        request_id=a.request_id,
+        num_kv_readers=1,
     )
     try:
         if a.role == "store":
@@ -80,7 +90,11 @@ def main() -> int:
             for s, d in zip(src_ids, dst_ids, strict=True)
         )
         untouched = all(int(block_of(t, a.layout, 0).float().abs().sum()) == 0 for t in kv)
-        print(json.dumps({"retrieved": bool(ok), "identical": same, "untouched": untouched, "mode": ctx.mode}))
+        print(
+            json.dumps(
+                {"retrieved": bool(ok), "identical": same, "untouched": untouched, "mode": ctx.mode}
+            )
+        )
         return 0 if ok and same and untouched else 1
     finally:
         ctx.unregister()

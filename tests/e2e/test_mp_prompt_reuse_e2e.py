@@ -45,12 +45,19 @@ def _wait(procs: list[subprocess.Popen]) -> list[dict]:
     return out
 
 
-def _lookup(url: str, model: str, world_size: int, readers: int, rid: str, num_tokens: int = 1024) -> int:
+def _lookup(
+    url: str, model: str, world_size: int, readers: int, rid: str, num_tokens: int = 1024
+) -> int:
     with MPClient(url, default_timeout=30) as c:
         key = P.IPCCacheServerKey(
-            model_name=model, world_size=world_size, worker_id=None,
-            token_ids=list(range(10, 10 + num_tokens)), start=0, end=num_tokens,
-            request_id=rid, num_kv_readers=readers,
+            model_name=model,
+            world_size=world_size,
+            worker_id=None,
+            token_ids=list(range(10, 10 + num_tokens)),
+            start=0,
+            end=num_tokens,
+            request_id=rid,
+            num_kv_readers=readers,
         )
         c.call("lookup", key, world_size)
         return c.call("wait_prefetch_status", rid, 30.0)
@@ -74,22 +81,46 @@ def test_second_engine_gets_identical_kv(request, layout, mode, server):
     assert stored[0]["stored"] is True
     rid = f"second-{model}"
     assert _lookup(srv.rpc_url, model, 1, 1, rid) == 4
-    got = _wait([_run(srv.rpc_url, "retrieve", layout=layout, mode=mode, model=model, seed=7, request_id=rid)])
+    got = _wait(
+        [
+            _run(
+                srv.rpc_url,
+                "retrieve",
+                layout=layout,
+                mode=mode,
+                model=model,
+                seed=7,
+                request_id=rid,
+            )
+        ]
+    )
     assert got[0] == {**got[0], "retrieved": True, "identical": True, "untouched": True}
 
 
 def test_tp2_every_rank_stores_and_retrieves_its_shard(shm_server):
     model = f"e2e-tp2-{next(_n)}"
-    _wait([
-        _run(shm_server.rpc_url, "store", model=model, world_size=2, worker_id=r, seed=100 + r)
-        for r in range(2)
-    ])
+    _wait(
+        [
+            _run(shm_server.rpc_url, "store", model=model, world_size=2, worker_id=r, seed=100 + r)
+            for r in range(2)
+        ]
+    )
     rid = f"tp2-{model}"
     assert _lookup(shm_server.rpc_url, model, 2, 1, rid) == 4
-    got = _wait([
-        _run(shm_server.rpc_url, "retrieve", model=model, world_size=2, worker_id=r, seed=100 + r, request_id=rid)
-        for r in range(2)
-    ])
+    got = _wait(
+        [
+            _run(
+                shm_server.rpc_url,
+                "retrieve",
+                model=model,
+                world_size=2,
+                worker_id=r,
+                seed=100 + r,
+                request_id=rid,
+            )
+            for r in range(2)
+        ]
+    )
     assert all(g["identical"] and g["retrieved"] for g in got)
 
 
@@ -105,8 +136,10 @@ def test_mla_tp2_one_writer_two_readers(shm_server):
     _wait([_run(shm_server.rpc_url, "store", layout="MLA", model=model, seed=11)])
     rid = f"mla-{model}"
     assert _lookup(shm_server.rpc_url, model, 1, 2, rid) == 4
-    got = _wait([
-        _run(shm_server.rpc_url, "retrieve", layout="MLA", model=model, seed=11, request_id=rid)
-        for _ in range(2)
-    ])
+    got = _wait(
+        [
+            _run(shm_server.rpc_url, "retrieve", layout="MLA", model=model, seed=11, request_id=rid)
+            for _ in range(2)
+        ]
+    )
     assert all(g["identical"] for g in got)

@@ -257,7 +257,9 @@ def test_close_is_idempotent(h, fs_type, tmp_path):
     a.close()
 
 
-def test_eviction_controller_deletes_fs_keys_including_recovered_ones(h, fs_type, adapters, tmp_path):
+def test_eviction_controller_deletes_fs_keys_including_recovered_ones(
+    h, fs_type, adapters, tmp_path
+):
     from lmcache.v1.distributed.config import EvictionConfig
     from lmcache.v1.distributed.eviction import L2EvictionController
 

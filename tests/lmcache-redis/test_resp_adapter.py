@@ -227,3 +227,81 @@ def test_env_fallbacks(monkeypatch):
         {"type": "resp", "host": "a", "port": 1}
     )
     assert (explicit.host, explicit.port) == ("a", 1)
+
+
+def test_host_name_resolution(h, adapters, redis_server):
+    """`localhost` goes through getaddrinfo; an address that refuses (e.g. ::1 when redis
+    listens on 127.0.0.1 only) is skipped for the next one."""
+    a = h.build("resp", host="localhost", port=redis_server.port, num_workers=1)
+    adapters.append(a)
+    assert h.store(a, [h.key(1)], [h.make_obj(64)]).is_successful()
+
+
+def test_silent_server_times_out_instead_of_hanging(h, adapters):
+    """A peer that accepts but never answers: socket_timeout_s turns it into failures."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    try:
+        a = h.build(
+            "resp",
+            host="127.0.0.1",
+            port=listener.getsockname()[1],
+            num_workers=1,
+            socket_timeout_s=0.5,
+        )
+        adapters.append(a)
+        assert not h.store(a, [h.key(1)], [h.make_obj(64)], timeout=30).is_successful()
+        assert h.lookup(a, [h.key(1)], timeout=30).test(0) is False
+    finally:
+        listener.close()
+
+
+def test_protocol_desync_resets_the_connection(h, adapters, redis_server):
+    """A reply the client cannot parse fails that task; the next task runs on a fresh
+    connection and succeeds."""
+    import threading
+
+    peer = socket.socket()
+    peer.bind(("127.0.0.1", 0))
+    peer.listen(16)
+    replies = iter([b"?garbage\r\n"])
+    stop = threading.Event()
+
+    def serve() -> None:
+        # Answer the first command with garbage, then relay to the real redis-server.
+        while not stop.is_set():
+            try:
+                conn, _ = peer.accept()
+            except OSError:
+                return
+            data = conn.recv(1 << 16)
+            bad = next(replies, None)
+            if bad is not None:
+                conn.sendall(bad)
+                conn.close()
+                continue
+            upstream = socket.create_connection(("127.0.0.1", redis_server.port))
+            upstream.sendall(data)
+
+            def pump(src, dst):
+                try:
+                    while chunk := src.recv(1 << 16):
+                        dst.sendall(chunk)
+                except OSError:
+                    pass
+
+            threading.Thread(target=pump, args=(upstream, conn), daemon=True).start()
+            threading.Thread(target=pump, args=(conn, upstream), daemon=True).start()
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    try:
+        a = h.build("resp", host="127.0.0.1", port=peer.getsockname()[1], num_workers=1)
+        adapters.append(a)
+        assert h.lookup(a, [h.key(1)]).test(0) is False  # garbage reply: a failed lookup
+        assert h.wait_until(lambda: h.store(a, [h.key(2)], [h.make_obj(32)]).is_successful(), 20)
+        assert redis_server.client().cmd("EXISTS", object_key_to_string(h.key(2))) == 1
+    finally:
+        stop.set()
+        peer.close()

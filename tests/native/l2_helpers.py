@@ -3,9 +3,13 @@ memory objects, adapters built through the registry, and waiting on an adapter's
 
 from __future__ import annotations
 
+import json
 import select
+import subprocess
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -119,6 +123,107 @@ class Recorder:
         self.deleted += keys
 
 
+# --- two `lmcache server` processes sharing one L2 backend ----------------------------------
+
+ENGINE_SIM = Path(__file__).resolve().parents[1] / "e2e" / "mp_engine_sim.py"
+
+
+def _engine(url: str, role: str, model: str, **kw: Any) -> dict:
+    """Run the e2e engine simulator (tests/e2e/mp_engine_sim.py) once; returns its JSON line."""
+    args = [sys.executable, str(ENGINE_SIM), role, "--url", url, "--model", model, "--seed", "7"]
+    for k, v in kw.items():
+        args += [f"--{k.replace('_', '-')}", str(v)]
+    p = subprocess.run(args, capture_output=True, text=True, timeout=180)
+    assert p.returncode == 0, f"engine {role} failed:\n{p.stdout}\n{p.stderr[-3000:]}"
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def _retrieve_in_process(url: str, model: str, request_id: str) -> None:
+    """Register a worker on the server, look the prompt up (L2 prefetch), retrieve it and check
+    every byte against what the storing engine had. Reuses the simulator's KV layout."""
+    import importlib.util
+    import random
+
+    import torch
+
+    from lmcache.v1.multiprocess import protocol as P
+    from lmcache.v1.multiprocess.client import MPClient
+    from lmcache.v1.multiprocess.transfer_context import create_transfer_context
+
+    spec = importlib.util.spec_from_file_location("_lmcache_engine_sim", ENGINE_SIM)
+    sim = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sim)
+
+    num_tokens = 1024
+    n_blocks = num_tokens // sim.BLOCK
+    src_ids = list(range(1, 1 + n_blocks))
+    dst_ids = list(range(1 + n_blocks, 1 + 2 * n_blocks))
+    client = MPClient(url, default_timeout=30)
+    kv = sim.kv_cache("NHD", 7, zeros=True)
+    ctx = create_transfer_context(kv, instance_id=random.getrandbits(60), req_client=client)
+    ctx.register(model, 1)
+    try:
+        key = P.IPCCacheServerKey(
+            model_name=model,
+            world_size=1,
+            worker_id=None,
+            token_ids=list(range(10, 10 + num_tokens)),
+            start=0,
+            end=num_tokens,
+            request_id=request_id,
+            num_kv_readers=1,
+        )
+        client.call("lookup", key, 1)
+        hits = client.call("wait_prefetch_status", request_id, 30.0)
+        assert hits == 4, f"expected all 4 chunks from L2, got {hits}"
+        key = P.IPCCacheServerKey(
+            model_name=model,
+            world_size=1,
+            worker_id=0,
+            token_ids=list(range(10, 10 + num_tokens)),
+            start=0,
+            end=num_tokens,
+            request_id=request_id,
+            num_kv_readers=1,
+        )
+        assert ctx.submit_retrieve(key, dst_ids).result(60)
+        expected = sim.kv_cache("NHD", 7, zeros=False)
+        for e, t in zip(expected, kv, strict=True):
+            for src, dst in zip(src_ids, dst_ids, strict=True):
+                assert torch.equal(sim.block_of(e, "NHD", src), sim.block_of(t, "NHD", dst))
+    finally:
+        ctx.unregister()
+        ctx.close()
+        client.close()
+
+
+def cross_server_round_trip(
+    lmcache_server: Callable[..., Any],
+    adapter_json: str,
+    stored_count: Callable[[], int],
+    model: str = "xsrv-model",
+) -> None:
+    """A prompt stored through server A is retrieved, byte-identical, through server B.
+
+    Both servers get the same ``--l2-adapter``; ``stored_count()`` reports how many values the
+    backend holds, so the test waits for A's write-behind before asking B.
+    """
+    if not ENGINE_SIM.is_file():
+        import pytest
+
+        pytest.skip(f"engine simulator not found at {ENGINE_SIM}")
+    flags = ("--l2-adapter", adapter_json, "--supported-transfer-mode", "auto")
+    a = lmcache_server(*flags)
+    b = lmcache_server(*flags)
+    assert _engine(a.rpc_url, "store", model)["stored"] is True
+    assert wait_until(lambda: stored_count() >= 4, 60), "server A never wrote its chunks to L2"
+    time.sleep(0.5)  # let the last write-behind task settle
+    try:
+        _retrieve_in_process(b.rpc_url, model, f"from-b-{model}")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\nserver B log:\n{b.log()[-4000:]}") from None
+
+
 class Helpers:
     make_obj = staticmethod(make_obj)
     empty_like = staticmethod(empty_like)
@@ -129,3 +234,4 @@ class Helpers:
     load = staticmethod(load)
     wait_until = staticmethod(wait_until)
     Recorder = Recorder
+    cross_server_round_trip = staticmethod(cross_server_round_trip)

@@ -145,3 +145,16 @@ def test_grouped_variants():
     out = fold_grouped(rows, [0, 2])
     assert out.test(3) is True and out.test(2) is False
     assert [repr(b) for b in unfold_grouped(3, 4, [0, 2])] == ["1110", "0110"]
+
+
+def test_fold_fast_path_matches_brute_force():
+    import random
+
+    rng = random.Random(3)
+    for _ in range(200):
+        n = rng.randint(0, 12)
+        rows = [bm_from("".join(rng.choice("1111110") for _ in range(n))) for _ in range(3)]
+        out = fold_grouped(rows, [-1, 0, -1])
+        for hit in range(n + 1):
+            expected = all(all(r.test(c) for c in range(hit)) for r in rows)
+            assert out.test(hit) is expected

@@ -21,7 +21,11 @@ from lmcache.v1.distributed.l2_adapters.base import AdapterUsage
 def test_object_key_field_order_and_value_equality():
     a = ObjectKey(b"\x01", "m", 3, 2, "s")
     assert (a.chunk_hash, a.model_name, a.kv_rank, a.object_group_id, a.cache_salt) == (
-        b"\x01", "m", 3, 2, "s"
+        b"\x01",
+        "m",
+        3,
+        2,
+        "s",
     )
     assert a == ObjectKey(b"\x01", "m", 3, 2, "s")
     assert len({a, ObjectKey(b"\x01", "m", 3, 2, "s")}) == 1
@@ -107,11 +111,11 @@ def test_l2_store_result_semantics():
     [(True, True, 8), (False, False, 0), (None, False, 0), (5, True, 5), (-3, False, 0)],
 )
 def test_l2_store_result_normalisation(raw, ok, nbytes):
-    class O:
+    class Obj:
         def get_size(self):
             return 4
 
-    res, legacy = L2StoreResult.normalise(raw, [O(), O()])
+    res, legacy = L2StoreResult.normalise(raw, [Obj(), Obj()])
     assert legacy
     assert res.is_successful() is ok and res.bytes_transferred() == nbytes
 

@@ -80,6 +80,8 @@ def test_foreign_file_names_give_none(name):
     assert filename_to_object_key(name) is None
 
 
-@pytest.mark.parametrize("s", ["a@b@c", "llama@000000ff@0@00010203@s@x", "llama@zz@0@00", "@1@0@00"])
+@pytest.mark.parametrize(
+    "s", ["a@b@c", "llama@000000ff@0@00010203@s@x", "llama@zz@0@00", "@1@0@00"]
+)
 def test_foreign_strings_give_none(s):
     assert string_to_object_key(s) is None

@@ -223,9 +223,18 @@ def test_listener_events(l1):
 def test_status_fields(l1):
     write(l1, [key(1)])
     st = l1.report_status()
-    for field in ("total_object_count", "write_locked_count", "read_locked_count",
-                  "memory_used_bytes", "memory_total_bytes", "memory_usage_ratio",
-                  "write_ttl_seconds", "read_ttl_seconds", "pinned_bytes", "is_healthy"):
+    for field in (
+        "total_object_count",
+        "write_locked_count",
+        "read_locked_count",
+        "memory_used_bytes",
+        "memory_total_bytes",
+        "memory_usage_ratio",
+        "write_ttl_seconds",
+        "read_ttl_seconds",
+        "pinned_bytes",
+        "is_healthy",
+    ):
         assert field in st
     assert st["total_object_count"] == 1 and st["is_healthy"] is True
 

@@ -85,8 +85,14 @@ def test_objects_are_arena_slices():
 
 
 def test_lazy_growth_commits_in_steps():
-    alloc = L1Allocator(8 * 4096, 4096, lazy=True, init_size=2 * 4096, commit_step=2 * 4096,
-                        grow_in_background=False)
+    alloc = L1Allocator(
+        8 * 4096,
+        4096,
+        lazy=True,
+        init_size=2 * 4096,
+        commit_step=2 * 4096,
+        grow_in_background=False,
+    )
     try:
         assert alloc.committed_size == 2 * 4096 and alloc.growth_pending
         assert alloc.memory_desc().stable_registration_size == 2 * 4096
@@ -157,8 +163,9 @@ def test_shm_pool_is_shared_and_stale_segment_replaced():
 def test_shm_works_with_lazy_growth_as_a_sparse_segment():
     name = f"t_lazy_{os.getpid()}"
     size = 64 << 20
-    alloc = L1Allocator(size, 4096, lazy=True, init_size=4096, shm_name=name,
-                        grow_in_background=False)
+    alloc = L1Allocator(
+        size, 4096, lazy=True, init_size=4096, shm_name=name, grow_in_background=False
+    )
     try:
         assert alloc.shm_name and alloc.pool_size == size
         st = os.stat(_shm_path(name))

@@ -13,7 +13,6 @@ import pytest
 
 from lmcache.v1.distributed.l2_adapters import config as l2config
 from lmcache.v1.distributed.l2_adapters import factory
-from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface
 from lmcache.v1.distributed.l2_adapters.config import (
     L2AdapterConfigBase,
     add_l2_adapters_args,
@@ -104,7 +103,9 @@ def test_from_dict_error_logs_help(caplog):
     with caplog.at_level(logging.ERROR), pytest.raises(ValueError):
         parse('{"type": "mock"}')
     text = "\n".join(r.getMessage() for r in caplog.records)
-    assert "Error parsing --l2-adapter #1 (type 'mock'): max_size_gb must be a positive number" in text
+    assert (
+        "Error parsing --l2-adapter #1 (type 'mock'): max_size_gb must be a positive number" in text
+    )
     assert MockL2AdapterConfig.help() in text and "-" * 20 in text
 
 
@@ -112,19 +113,28 @@ def test_unknown_keys_warn_but_parse(caplog):
     with caplog.at_level(logging.WARNING):
         cfg = parse(json.dumps({**MOCK, "max_size_gbb": 3}))
     assert isinstance(cfg.adapters[0], MockL2AdapterConfig)
-    assert any("max_size_gbb" in r.getMessage() and "max_size_gb" in r.getMessage()
-               for r in caplog.records)
+    assert any(
+        "max_size_gbb" in r.getMessage() and "max_size_gb" in r.getMessage() for r in caplog.records
+    )
 
 
 def test_generic_fields():
-    d = {**MOCK, "affinity_tag": "fast", "shared": 1, "persist_enabled": False,
-         "eviction": {"eviction_policy": "LRU", "trigger_watermark": 0.7, "eviction_ratio": 0.1}}
+    d = {
+        **MOCK,
+        "affinity_tag": "fast",
+        "shared": 1,
+        "persist_enabled": False,
+        "eviction": {"eviction_policy": "LRU", "trigger_watermark": 0.7, "eviction_ratio": 0.1},
+    }
     cfg = parse(json.dumps(d)).adapters[0]
     assert cfg.affinity_tag == "fast" and cfg.shared is True
     assert cfg.persist_config.persist_enabled is False
     assert cfg.eviction_config.eviction_policy == "LRU"
     assert cfg.eviction_config.trigger_watermark == 0.7
-    with pytest.raises(ValueError, match=r"eviction.eviction_policy must be 'LRU', 'ARC', 'IsolatedLRU', or 'noop', got 'X'"):
+    with pytest.raises(
+        ValueError,
+        match=r"eviction.eviction_policy must be 'LRU', 'ARC', 'IsolatedLRU', or 'noop', got 'X'",
+    ):
         parse(json.dumps({**MOCK, "eviction": {"eviction_policy": "X"}}))
 
 
@@ -138,11 +148,15 @@ def test_static_helper_errors():
     for bad in (0, -1, True, "2"):
         with pytest.raises(ValueError, match=r"^num_workers must be a positive integer"):
             B._validate_num_workers(bad)
-    with pytest.raises(ValueError, match=r"^per_op_workers\['store'\] must be a positive integer, got 0"):
+    with pytest.raises(
+        ValueError, match=r"^per_op_workers\['store'\] must be a positive integer, got 0"
+    ):
         B._validate_per_op_workers({"store": 0})
     with pytest.raises(ValueError, match=r"^per_op_workers must be a dict"):
         B._parse_per_op_workers_from_dict({"per_op_workers": 3})
-    with pytest.raises(ValueError, match=r"^per_op_workers\['lookup'\] must be an integer, got str"):
+    with pytest.raises(
+        ValueError, match=r"^per_op_workers\['lookup'\] must be an integer, got str"
+    ):
         B._parse_per_op_workers_from_dict({"per_op_workers": {"lookup": "2"}})
     assert B._parse_persist_config({}).persist_enabled is True
 
@@ -192,7 +206,9 @@ def test_no_factory_error_and_both_import_paths():
     name = f"orphan_{uuid.uuid4().hex[:6]}"
     register_l2_adapter_type(name, Orphan)
     for fn in (c1, c2):
-        with pytest.raises(ValueError, match=rf"^No adapter factory registered for type {name}\. Make sure"):
+        with pytest.raises(
+            ValueError, match=rf"^No adapter factory registered for type {name}\. Make sure"
+        ):
             fn(Orphan(1.0, 1.0))
 
 
@@ -348,8 +364,14 @@ def test_plugin_from_dict_errors():
     for d, msg in [
         ({}, "module_path must be a non-empty string"),
         ({"module_path": "m"}, "class_name must be a non-empty string"),
-        ({"module_path": "m", "class_name": "C", "adapter_params": []}, "adapter_params must be a dict"),
-        ({"module_path": "m", "class_name": "C", "config_class_name": 3}, "config_class_name must be a string"),
+        (
+            {"module_path": "m", "class_name": "C", "adapter_params": []},
+            "adapter_params must be a dict",
+        ),
+        (
+            {"module_path": "m", "class_name": "C", "config_class_name": 3},
+            "config_class_name must be a string",
+        ),
     ]:
         with pytest.raises(ValueError, match=rf"^{msg}"):
             PluginL2AdapterConfig.from_dict(d)
@@ -394,22 +416,28 @@ def test_config_class_resolution_order(plugin_module, caplog):
 def test_plugin_load_errors(plugin_module):
     with pytest.raises(ImportError, match=r"^Could not import module 'no_such_mod_q': "):
         create({"module_path": "no_such_mod_q", "class_name": "X"})
-    with pytest.raises(AttributeError, match=rf"^Module '{plugin_module}' has no class 'Missing': "):
+    with pytest.raises(
+        AttributeError, match=rf"^Module '{plugin_module}' has no class 'Missing': "
+    ):
         create({"module_path": plugin_module, "class_name": "Missing"})
-    with pytest.raises(TypeError, match=rf"^{plugin_module}.NotAdapter is not a subclass of L2AdapterInterface"):
+    with pytest.raises(
+        TypeError, match=rf"^{plugin_module}.NotAdapter is not a subclass of L2AdapterInterface"
+    ):
         create({"module_path": plugin_module, "class_name": "NotAdapter"})
     with pytest.raises(TypeError, match="boom inside constructor"):
         create({"module_path": plugin_module, "class_name": "Raising"})
 
 
 def test_legacy_plugin_without_super_init_and_desc(plugin_module, caplog):
-    from lmcache.v1.distributed.internal_api import L1MemoryDesc, L2AdapterListener
     from lmcache.v1.distributed.api import ObjectKey
+    from lmcache.v1.distributed.internal_api import L1MemoryDesc, L2AdapterListener
     from lmcache.v1.memory_management import BytesBufferMemoryObj
 
     with caplog.at_level(logging.WARNING):
         a = create({"module_path": plugin_module, "class_name": "NoDesc"}, L1MemoryDesc(0, 1, 1))
-    assert any("did not call L2AdapterInterface.__init__()" in r.getMessage() for r in caplog.records)
+    assert any(
+        "did not call L2AdapterInterface.__init__()" in r.getMessage() for r in caplog.records
+    )
     seen = []
 
     class L(L2AdapterListener):
@@ -455,7 +483,7 @@ def test_one_argument_lookup_detected(plugin_module):
 # --- native_plugin type --------------------------------------------------------------------------
 
 NATIVE_SRC = textwrap.dedent(
-    '''
+    """
     import os
     CLOSED = []
 
@@ -477,7 +505,7 @@ NATIVE_SRC = textwrap.dedent(
     class Factory:
         def __new__(cls, **kw):
             return Full(**kw)
-    '''
+    """
 )
 
 
@@ -492,7 +520,9 @@ def native_module(tmp_path, monkeypatch):
 
 def test_native_plugin_config_errors():
     with pytest.raises(ValueError, match=r"^max_capacity_gb must be a non-negative number"):
-        NativePluginL2AdapterConfig.from_dict({"module_path": "m", "class_name": "C", "max_capacity_gb": -1})
+        NativePluginL2AdapterConfig.from_dict(
+            {"module_path": "m", "class_name": "C", "max_capacity_gb": -1}
+        )
     with pytest.raises(ValueError, match=r"^module_path must be a non-empty string"):
         NativePluginL2AdapterConfig.from_dict({"class_name": "C"})
     cfg = parse(
@@ -505,7 +535,10 @@ def test_native_plugin_missing_method_closes_then_raises(native_module):
     import importlib
 
     cfg = NativePluginL2AdapterConfig(native_module, "NoDrain", {})
-    with pytest.raises(TypeError, match=rf"^{native_module}.NoDrain instance missing required method 'drain_completions'"):
+    with pytest.raises(
+        TypeError,
+        match=rf"^{native_module}.NoDrain instance missing required method 'drain_completions'",
+    ):
         factory.create_l2_adapter_from_registry(cfg)
     assert importlib.import_module(native_module).CLOSED == ["NoDrain"]
 

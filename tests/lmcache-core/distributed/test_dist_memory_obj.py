@@ -15,8 +15,9 @@ from lmcache.v1.memory_management import (
 
 def test_example_construction_and_views():
     src = torch.arange(1024, dtype=torch.float32)
-    meta = MemoryObjMetadata(shape=torch.Size([1024]), dtype=torch.float32, address=0,
-                             phy_size=4096, ref_count=1)
+    meta = MemoryObjMetadata(
+        shape=torch.Size([1024]), dtype=torch.float32, address=0, phy_size=4096, ref_count=1
+    )
     obj = TensorMemoryObj(raw_data=src, metadata=meta, parent_allocator=None)
     assert obj.get_size() == 4096 and obj.get_physical_size() == 4096
     assert obj.metadata is obj.meta and obj.get_memory_format() is MemoryFormat.UNDEFINED
@@ -31,10 +32,15 @@ def test_example_construction_and_views():
 
 def test_multi_group_tensors_and_logical_size():
     raw = torch.zeros(8192, dtype=torch.uint8)
-    meta = MemoryObjMetadata(shape=torch.Size([2, 3]), dtype=torch.float16, address=0,
-                             phy_size=8192, ref_count=1,
-                             shapes=[torch.Size([2, 3]), torch.Size([5])],
-                             dtypes=[torch.float16, torch.float32])
+    meta = MemoryObjMetadata(
+        shape=torch.Size([2, 3]),
+        dtype=torch.float16,
+        address=0,
+        phy_size=8192,
+        ref_count=1,
+        shapes=[torch.Size([2, 3]), torch.Size([5])],
+        dtypes=[torch.float16, torch.float32],
+    )
     obj = TensorMemoryObj(raw, meta)
     assert obj.get_size() == 2 * 3 * 2 + 5 * 4
     g1 = obj.get_tensor(1)

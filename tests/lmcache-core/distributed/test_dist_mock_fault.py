@@ -37,14 +37,18 @@ def wait(poll, timeout=5.0):
 
 
 def store(a, keys, size=100):
-    tid = a.submit_store_task(keys, [BytesBufferMemoryObj(bytes([i % 251]) * size) for i in range(len(keys))])
+    tid = a.submit_store_task(
+        keys, [BytesBufferMemoryObj(bytes([i % 251]) * size) for i in range(len(keys))]
+    )
     return wait(lambda: a.pop_completed_store_tasks().get(tid))
 
 
 def test_mock_config_errors():
-    for d, msg in [({"mock_bandwidth_gb": 1}, "max_size_gb must be a positive number"),
-                   ({"max_size_gb": 1, "mock_bandwidth_gb": 0}, "mock_bandwidth_gb must be a positive number"),
-                   ({"max_size_gb": True, "mock_bandwidth_gb": 1}, "max_size_gb must be a positive number")]:
+    for d, msg in [
+        ({"mock_bandwidth_gb": 1}, "max_size_gb must be a positive number"),
+        ({"max_size_gb": 1, "mock_bandwidth_gb": 0}, "mock_bandwidth_gb must be a positive number"),
+        ({"max_size_gb": True, "mock_bandwidth_gb": 1}, "max_size_gb must be a positive number"),
+    ]:
         with pytest.raises(ValueError, match=rf"^{msg}"):
             MockL2AdapterConfig.from_dict(d)
 
@@ -92,7 +96,10 @@ def test_mock_lookup_locks_block_delete_and_load_copies():
 
 
 def fi_config(**kw) -> FaultInjectL2AdapterConfig:
-    d = {"type": "fault_inject", "inner": {"type": "mock", "max_size_gb": 1, "mock_bandwidth_gb": 100}}
+    d = {
+        "type": "fault_inject",
+        "inner": {"type": "mock", "max_size_gb": 1, "mock_bandwidth_gb": 100},
+    }
     d.update(kw)
     return build_config_from_dict(FaultInjectL2AdapterConfig, d)
 
@@ -115,8 +122,14 @@ def test_fault_inject_config_errors(kw, msg):
 
 
 def test_inner_keeps_its_own_eviction_block():
-    cfg = fi_config(inner={"type": "mock", "max_size_gb": 1, "mock_bandwidth_gb": 1,
-                           "eviction": {"eviction_policy": "LRU"}})
+    cfg = fi_config(
+        inner={
+            "type": "mock",
+            "max_size_gb": 1,
+            "mock_bandwidth_gb": 1,
+            "eviction": {"eviction_policy": "LRU"},
+        }
+    )
     assert cfg.inner.eviction_config.eviction_policy == "LRU"
 
 
@@ -150,7 +163,9 @@ def test_tail_ratio_positions_scale_with_batch():
 def test_rate_bucket_is_deterministic_and_matches_the_formula():
     k = key(7, "salt")
     text = f"3:{k.chunk_hash.hex()}:m:5:1:salt"
-    expected = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big") % 1_000_000
+    expected = (
+        int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big") % 1_000_000
+    )
     assert key_bucket(3, k) == expected
     keys = [key(i) for i in range(4000)]
     a = dropped_positions(fi_config(rate=0.25, seed=11), keys)

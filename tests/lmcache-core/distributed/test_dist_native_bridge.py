@@ -69,7 +69,7 @@ class FakeConnector:
         snap = [bytes(v) for v in views]
 
         def fn():
-            for k, b in zip(keys, snap):
+            for k, b in zip(keys, snap, strict=False):
                 self.data[k] = b
             return True, None
 
@@ -80,7 +80,7 @@ class FakeConnector:
 
         def fn():
             out = []
-            for k, v in zip(keys, views):
+            for k, v in zip(keys, views, strict=False):
                 b = self.data.get(k)
                 if b is None or len(b) < len(v):
                     out.append(False)
@@ -151,7 +151,9 @@ def store(a, keys, objs):
 
 def lookup(a, keys):
     tid = a.submit_lookup_and_lock_task(keys, None)
-    return tid, wait_result(a.get_lookup_and_lock_event_fd(), lambda: a.query_lookup_and_lock_result(tid))
+    return tid, wait_result(
+        a.get_lookup_and_lock_event_fd(), lambda: a.query_lookup_and_lock_result(tid)
+    )
 
 
 def load(a, keys, objs):
@@ -172,7 +174,11 @@ def bridge(conn):
 
 
 def test_fds_distinct_and_demux_thread(bridge):
-    fds = {bridge.get_store_event_fd(), bridge.get_lookup_and_lock_event_fd(), bridge.get_load_event_fd()}
+    fds = {
+        bridge.get_store_event_fd(),
+        bridge.get_lookup_and_lock_event_fd(),
+        bridge.get_load_event_fd(),
+    }
     assert len(fds) == 3
     assert any(t.name == "l2-adapter-demux" for t in threading.enumerate())
     st = bridge.report_status()

@@ -17,7 +17,7 @@ from lmcache.v1.distributed.l2_adapters.config import (
 from lmcache.v1.distributed.l2_adapters.mock_l2_adapter import MockL2Adapter
 
 HOOKS = textwrap.dedent(
-    '''
+    """
     from dataclasses import dataclass
     from lmcache.v1.distributed.l2_adapters.hookspecs import L2AdapterTypeSpec, hookimpl
     from lmcache.v1.distributed.l2_adapters.mock_l2_adapter import MockL2Adapter, MockL2AdapterConfig
@@ -31,7 +31,7 @@ HOOKS = textwrap.dedent(
     @hookimpl
     def lmcache_l2_adapter_types():
         return [L2AdapterTypeSpec({name!r}, {cls}, _create, aliases=({alias!r},))]
-    '''
+    """
 )
 
 
@@ -58,23 +58,29 @@ def plugin_env(tmp_path, monkeypatch):
         HOOKS.format(cls="GoodConfig", name=names["good"], alias=names["alias"])
     )
     (tmp_path / f"{good}_broken.py").write_text("raise ImportError('needs pip install foo-sdk')\n")
-    (tmp_path / f"{good}_badspec.py").write_text(textwrap.dedent(
-        '''
+    (tmp_path / f"{good}_badspec.py").write_text(
+        textwrap.dedent(
+            """
         from lmcache.v1.distributed.l2_adapters.hookspecs import L2AdapterTypeSpec, hookimpl
         @hookimpl
         def lmcache_l2_adapter_types():
             return [L2AdapterTypeSpec("", object, None)]
-        '''
-    ))
+        """
+        )
+    )
     (tmp_path / f"{good}_dup.py").write_text(
         HOOKS.format(cls="DupConfig", name="mock", alias=f"zz_dupalias_{tag}")
     )
-    make_dist(tmp_path, f"vendor_{tag}", {
-        names["good"]: f"{good}_hooks",
-        names["broken"]: f"{good}_broken",
-        names["badspec"]: f"{good}_badspec",
-        names["dup"]: f"{good}_dup",
-    })
+    make_dist(
+        tmp_path,
+        f"vendor_{tag}",
+        {
+            names["good"]: f"{good}_hooks",
+            names["broken"]: f"{good}_broken",
+            names["badspec"]: f"{good}_badspec",
+            names["dup"]: f"{good}_dup",
+        },
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     factory.refresh_l2_adapter_plugins()
     yield names, f"vendor_{tag}"

@@ -111,13 +111,14 @@ class ScriptedAdapter(L2AdapterInterface):
         def fn():
             new = []
             with self.mu:
-                for k, o in zip(keys, objects):
+                for k, o in zip(keys, objects, strict=False):
                     if k not in self.data:
                         self.data[k] = bytes(o.byte_array)
                         new.append(k)
                 self.inflight_stores -= 1
                 self.store_done[tid] = (
-                    self.store_returns if self.store_returns is not None
+                    self.store_returns
+                    if self.store_returns is not None
                     else L2StoreResult(True, sum(len(self.data[k]) for k in new))
                 )
             self._notify_keys_stored(new, [len(self.data[k]) for k in new])
@@ -164,7 +165,7 @@ class ScriptedAdapter(L2AdapterInterface):
 
         def fn():
             bm = Bitmap(len(keys))
-            for j, (k, o) in enumerate(zip(keys, objects)):
+            for j, (k, o) in enumerate(zip(keys, objects, strict=False)):
                 with self.mu:
                     b = self.data.get(k)
                 if b is not None and len(b) == len(o.byte_array):
@@ -496,10 +497,14 @@ def test_gap_gives_prefix_and_loads_nothing_past_it():
 
 
 def test_fault_inject_gap_and_missing_first_key_give_zero_hits():
-    fi = parse_l2_adapter_dict(1, {
-        "type": "fault_inject", "gap_indices": [0],
-        "inner": {"type": "mock", "max_size_gb": 0.01, "mock_bandwidth_gb": 100},
-    })
+    fi = parse_l2_adapter_dict(
+        1,
+        {
+            "type": "fault_inject",
+            "gap_indices": [0],
+            "inner": {"type": "mock", "max_size_gb": 0.01, "mock_bandwidth_gb": 100},
+        },
+    )
     sm = make_sm([fi])
     try:
         keys = [key(i) for i in range(4)]
@@ -587,8 +592,9 @@ def test_full_policy_and_sliding_window_rejection():
         r = prefetch(sm, spec(keys, fetching_policy="full"))
         assert repr(r.hit_cells[0]) == "1011" and repr(r.found_cells[0]) == "1011"
         sm.finish_read_prefetched([keys[0], keys[2], keys[3]], 1, [0, 0, 0])
-        sw = PrefetchTaskSpec([GroupedObjectKeys(keys, 0, LAYOUT, sliding_window_size=2)],
-                              fetching_policy="full")
+        sw = PrefetchTaskSpec(
+            [GroupedObjectKeys(keys, 0, LAYOUT, sliding_window_size=2)], fetching_policy="full"
+        )
         with pytest.raises(ValueError, match="sliding windows"):
             sm.submit_prefetch_task(sw)
     finally:
@@ -600,12 +606,20 @@ def test_sliding_window_group_needs_only_last_chunks():
     sm = make_sm([scripted(a)])
     try:
         full = [key(i) for i in range(4)]
-        swk = [ObjectKey(ObjectKey.IntHash2Bytes(i), "model", KV, object_group_id=1) for i in range(4)]
+        swk = [
+            ObjectKey(ObjectKey.IntHash2Bytes(i), "model", KV, object_group_id=1) for i in range(4)
+        ]
         write(sm, full + swk[2:])
-        r = prefetch(sm, PrefetchTaskSpec([
-            GroupedObjectKeys(full, 0, LAYOUT),
-            GroupedObjectKeys(swk, 1, LAYOUT, sliding_window_size=2),
-        ], fetching_policy="prefix"))
+        r = prefetch(
+            sm,
+            PrefetchTaskSpec(
+                [
+                    GroupedObjectKeys(full, 0, LAYOUT),
+                    GroupedObjectKeys(swk, 1, LAYOUT, sliding_window_size=2),
+                ],
+                fetching_policy="prefix",
+            ),
+        )
         assert r.hit_prefix_length() >= 0
         assert repr(r.hit_cells[0]) == "1111" and repr(r.hit_cells[1]) == "0011"
     finally:
@@ -793,8 +807,14 @@ def test_status_and_usage_by_salt():
         assert sm.get_usage_bytes_by_cache_salt() == {"t1": 4096, "t2": 4096}
         st = sm.report_status()
         assert st["is_healthy"] is True
-        for k in ("l1_managers", "l1_eviction_controllers", "store_controllers",
-                  "prefetch_controller", "l2_eviction_controller", "l2_adapters"):
+        for k in (
+            "l1_managers",
+            "l1_eviction_controllers",
+            "store_controllers",
+            "prefetch_controller",
+            "l2_eviction_controller",
+            "l2_adapters",
+        ):
             assert k in st
         assert st["l2_adapters"][0]["type"] == "scripted_test"
         assert st["prefetch_controller"]["max_in_flight"] == 8
@@ -804,7 +824,8 @@ def test_status_and_usage_by_salt():
 
 
 def test_serde_blocks_are_refused_clearly():
-    cfg = parse_l2_adapter_dict(1, {"type": "mock", "max_size_gb": 0.01, "mock_bandwidth_gb": 1,
-                                    "serde": {"type": "zstd"}})
+    cfg = parse_l2_adapter_dict(
+        1, {"type": "mock", "max_size_gb": 0.01, "mock_bandwidth_gb": 1, "serde": {"type": "zstd"}}
+    )
     with pytest.raises(ValueError, match="serde"):
         make_sm([cfg])

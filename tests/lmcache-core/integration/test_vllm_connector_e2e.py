@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import httpx
@@ -16,13 +17,13 @@ def tokens(n: int, seed: int = 1) -> list[int]:
     return [(seed * 7919 + i * 31) % 50000 + 1 for i in range(n)]
 
 
+def l1_status(srv) -> dict:
+    return httpx.get(srv.http_url + "/status", timeout=5).json()["storage_manager"]["l1"]
+
+
 def l1_locks(srv) -> tuple[int, int]:
-    status = httpx.get(srv.http_url + "/status", timeout=5).json()
-    sm = status["storage_manager"]
-    l1 = sm.get("l1") or sm.get("l1_manager") or sm
-    if isinstance(l1, list):
-        l1 = l1[0]
-    return int(l1.get("read_locked_count", 0)), int(l1.get("write_locked_count", 0))
+    l1 = l1_status(srv)
+    return int(l1["read_locked_count"]), int(l1["write_locked_count"])
 
 
 def assert_no_locks(srv, timeout: float = 5.0) -> None:
@@ -129,7 +130,7 @@ def test_request_shorter_than_a_chunk(server, engines):
 
 @pytest.mark.parametrize("apc,skip", [(256, 0), (304, 48)])
 def test_apc_overlap_retrieves_only_past_vllm_prefix_cache(server, engines, apc, skip):
-    prompt = tokens(600, seed=6)
+    prompt = tokens(600, seed=600 + apc)
     store_prompt(engines, prompt)
     warm = engines()
     warm.apc_marker = 0.5  # the prefix-cache blocks hold recognisably different bytes
@@ -186,6 +187,18 @@ def test_abort_while_loading_frees_locks(server, engines):
     assert_no_locks(server)
 
 
+def test_locks_held_after_the_lookup_are_freed_by_request_finished(server, engines):
+    prompt = tokens(600, seed=15)
+    store_prompt(engines, prompt)
+    e = engines()
+    req = e.add_request("h", prompt)
+    assert wait_until(lambda: e.scheduler.get_num_new_matched_tokens(req, 0)[0] is not None)
+    assert e.scheduler.get_num_new_matched_tokens(req, 0) == (512, True)  # side-effect free
+    assert l1_locks(server)[0] > 0  # the lookup holds read locks on the hit chunks...
+    assert e.scheduler.request_finished(req, []) == (False, None)
+    assert_no_locks(server)  # ...and finishing the request gives them back
+
+
 def test_abort_before_the_lookup_result_frees_locks(server, engines):
     prompt = tokens(600, seed=10)
     store_prompt(engines, prompt)
@@ -232,12 +245,7 @@ def test_blocking_lookup_status_mode(server, engines):
 
 
 def l1_objects(srv) -> int:
-    status = httpx.get(srv.http_url + "/status", timeout=5).json()
-    sm = status["storage_manager"]
-    l1 = sm.get("l1") or sm.get("l1_manager") or sm
-    if isinstance(l1, list):
-        l1 = l1[0]
-    return int(l1["total_object_count"])
+    return int(l1_status(srv)["total_object_count"])
 
 
 @pytest.mark.parametrize("mla", [False, True])
@@ -319,6 +327,7 @@ def test_store_failure_when_l1_is_full_does_not_break_the_request(lmcache_server
     e.run()
     assert e.finished_results["big"] is True
     assert not e.holding  # reported in finished_sending although the server kept nothing
+    assert l1_objects(srv) < 4  # the server really could not keep all four chunks
     assert_no_locks(srv)
 
 
@@ -359,10 +368,13 @@ def wait_until(cond, timeout: float = 30.0, step=None) -> bool:
     return cond()
 
 
-def test_server_restart_degrades_then_reregisters(lmcache_server, engines):
-    srv = lmcache_server()
+@pytest.mark.parametrize("shm", [False, True], ids=["copy", "shm"])
+def test_server_restart_degrades_then_reregisters(lmcache_server, engines, shm):
+    args = ["--shm-name", f"conn_restart_{os.getpid()}"] if shm else []
+    srv = lmcache_server(*args)
     extra = {"lmcache.mp.heartbeat_interval": "0.5", "lmcache.mp.mq_timeout": "5"}
     e = engines(port=srv.port, extra=extra)
+    assert e.workers[0].worker_adapter.ctx.mode == ("SHM" if shm else "raw_v1")
     prompt = tokens(600, seed=40)
     e.add_request("before", prompt)
     e.run()
@@ -388,6 +400,7 @@ def test_server_restart_degrades_then_reregisters(lmcache_server, engines):
             status.get("registered_gpu_ids") or []
         )
         assert set(ids) <= {int(i) for i in registered}  # the same instance_id re-registered
+        assert e.workers[0].worker_adapter.ctx.mode == ("SHM" if shm else "raw_v1")
         e.add_request("after1", prompt)
         e.run()
         assert e.match_results["after1"][-1] == (0, False)  # the restarted L1 is empty
@@ -402,7 +415,6 @@ def test_server_restart_degrades_then_reregisters(lmcache_server, engines):
 
 
 def test_lookup_timeout_reports_a_miss_and_frees_late_locks(lmcache_server, engines):
-    import os
     import signal
 
     srv = lmcache_server()
@@ -421,4 +433,16 @@ def test_lookup_timeout_reports_a_miss_and_frees_late_locks(lmcache_server, engi
     assert e.match_results["late"][-1] == (0, False)
     e.run()
     assert e.requests["late"].status == "finished"
+    assert_no_locks(srv)
+
+
+def test_engine_driven_through_the_server_shm_pool(lmcache_server, engines):
+    srv = lmcache_server("--shm-name", f"conn_shm_{os.getpid()}")
+    prompt = tokens(600, seed=50)
+    store_prompt(engines, prompt, port=srv.port)
+    warm = engines(port=srv.port)
+    assert warm.workers[0].worker_adapter.ctx.mode == "SHM"
+    warm.add_request("s", prompt)
+    warm.run()
+    assert warm.loaded_ok["s"] == 512
     assert_no_locks(srv)

@@ -148,7 +148,7 @@ def _write_standin(root: Path, with_hma: bool) -> None:
 
 
 @pytest.mark.parametrize("with_hma", [True, False])
-def test_connector_subclasses_the_installed_vllm_base(tmp_path, lmcache_server, with_hma):
+def test_connector_subclasses_the_installed_vllm_base(tmp_path, shared_server, with_hma):
     try:
         import vllm  # noqa: F401
 
@@ -156,7 +156,7 @@ def test_connector_subclasses_the_installed_vllm_base(tmp_path, lmcache_server, 
     except ImportError:
         pass
     _write_standin(tmp_path, with_hma)
-    srv = lmcache_server()
+    srv = shared_server
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(
         [str(tmp_path), os.path.dirname(__file__), env.get("PYTHONPATH", "")]

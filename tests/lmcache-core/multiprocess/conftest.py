@@ -49,7 +49,18 @@ class RawPeer:
         self.sock.close(linger=0)
 
 
-def key(request_id: str, *, tokens=None, start=0, end=512, worker_id=0, world_size=1, model="m", readers=1, **kw):
+def key(
+    request_id: str,
+    *,
+    tokens=None,
+    start=0,
+    end=512,
+    worker_id=0,
+    world_size=1,
+    model="m",
+    readers=1,
+    **kw,
+):
     return P.IPCCacheServerKey(
         model_name=model,
         world_size=world_size,
@@ -67,7 +78,14 @@ def lookup_hits(client: MPClient, tokens=None, model="m", world_size=1, rid=None
     """lookup then query: the hit prefix in chunks (and the session's locks stay held)."""
     rid = rid or f"lookup-{next(_ids)}"
     toks = list(tokens if tokens is not None else TOKENS)
-    k = key(rid, tokens=toks, end=len(toks) if end is None else end, worker_id=None, world_size=world_size, model=model)
+    k = key(
+        rid,
+        tokens=toks,
+        end=len(toks) if end is None else end,
+        worker_id=None,
+        world_size=world_size,
+        model=model,
+    )
     assert client.call("lookup", k, 1, timeout=10) is None
     for _ in range(200):
         r = client.call("query_prefetch_status", rid, timeout=10)
@@ -77,8 +95,17 @@ def lookup_hits(client: MPClient, tokens=None, model="m", world_size=1, rid=None
     raise AssertionError("prefetch never finished")
 
 
-def make_kv(layout: str = "NHD", num_layers: int = 2, num_blocks: int = 64, block_size: int = 16,
-            heads: int = 2, head_size: int = 8, dtype=torch.float16, seed: int = 0, zeros: bool = False):
+def make_kv(
+    layout: str = "NHD",
+    num_layers: int = 2,
+    num_blocks: int = 64,
+    block_size: int = 16,
+    heads: int = 2,
+    head_size: int = 8,
+    dtype=torch.float16,
+    seed: int = 0,
+    zeros: bool = False,
+):
     g = torch.Generator().manual_seed(seed)
     if layout == "MLA":
         shape = (num_blocks, block_size, head_size)
@@ -93,14 +120,27 @@ def make_kv(layout: str = "NHD", num_layers: int = 2, num_blocks: int = 64, bloc
     return out
 
 
-def worker(url: str, kv, *, mode="engine_driven", negotiate=True, model="m", world_size=1,
-           instance_id=None, layout_hints=None):
+def worker(
+    url: str,
+    kv,
+    *,
+    mode="engine_driven",
+    negotiate=True,
+    model="m",
+    world_size=1,
+    instance_id=None,
+    layout_hints=None,
+):
     """(client, context) of a registered engine-simulating worker."""
     client = MPClient(url, default_timeout=20)
     if not negotiate:  # behave like an LMCache 0.5.6 client: never negotiate
         client.negotiate_default_features = lambda *a, **k: frozenset()  # type: ignore[method-assign]
     ctx = create_transfer_context(
-        kv, instance_id=instance_id or next(_ids), req_client=client, mode=mode, layout_hints=layout_hints
+        kv,
+        instance_id=instance_id or next(_ids),
+        req_client=client,
+        mode=mode,
+        layout_hints=layout_hints,
     )
     ctx.register(model, world_size)
     return client, ctx

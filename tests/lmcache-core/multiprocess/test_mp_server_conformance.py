@@ -119,7 +119,9 @@ def test_all_or_nothing_retrieve_engine_driven(srv, mp):
         assert reply["success"] is False
         dest = mp.make_kv(zeros=True)
         c2, ctx2 = mp.worker(srv.rpc_url, dest, model=model)
-        assert ctx2.submit_retrieve(mp.key(rid, model=model), list(range(1, 33))).result(20) is False
+        assert (
+            ctx2.submit_retrieve(mp.key(rid, model=model), list(range(1, 33))).result(20) is False
+        )
         assert all(int(t.abs().sum()) == 0 for t in dest)
         ctx2.close()
         c2.close()
@@ -138,7 +140,9 @@ def test_all_or_nothing_retrieve_cpu_shm(srv, mp):
         assert mp.lookup_hits(c, model=model, rid=rid) == 1
         dest = mp.make_kv(zeros=True)
         c2, ctx2 = mp.worker(srv.rpc_url, dest, mode="lmcache_driven", model=model)
-        assert ctx2.submit_retrieve(mp.key(rid, model=model), list(range(1, 33))).result(20) is False
+        assert (
+            ctx2.submit_retrieve(mp.key(rid, model=model), list(range(1, 33))).result(20) is False
+        )
         assert all(int(t.abs().sum()) == 0 for t in dest)
         ctx2.close()
         c2.close()
@@ -188,7 +192,9 @@ def test_pickle_with_forbidden_global_is_rejected(srv, mp, tmp_path):
     try:
         k = mp.key("e", model=model)
         c.call("prepare_store", k, ctx.instance_id)
-        assert c.call("commit_store", k, ctx.instance_id, pickle.dumps([_Evil(str(marker))])) is False
+        assert (
+            c.call("commit_store", k, ctx.instance_id, pickle.dumps([_Evil(str(marker))])) is False
+        )
         assert not marker.exists()
         assert c.noop() == "OK"
         assert mp.metric(srv, "lmcache_mp_rejected_payloads_total") == before + 1
@@ -232,7 +238,9 @@ def test_garbage_frames_do_not_stop_service(srv, mp):
         peer.send([b"\xc1\xc1"])  # too few frames
         peer.send([b"\xc1", b"\xc1", b"\xc1"])  # undecodable uid/op
         peer.send([msgspec.msgpack.encode(1), msgspec.msgpack.encode(21), b"extra"])  # wrong count
-        peer.send([msgspec.msgpack.encode(2), msgspec.msgpack.encode(8), b"\x93\x01"])  # bad key type
+        peer.send(
+            [msgspec.msgpack.encode(2), msgspec.msgpack.encode(8), b"\x93\x01"]
+        )  # bad key type
         assert peer.recv(1.0) is None
     finally:
         peer.close()
@@ -295,7 +303,9 @@ def test_new_tokens_under_same_request_id_are_rehashed(srv, mp):
     try:
         tokens_b = [5, *mp.TOKENS[1:]]
         assert ctx.submit_store(mp.key("R", model=model), list(range(1, 33))).result(20)
-        assert ctx.submit_store(mp.key("R", model=model, tokens=tokens_b), list(range(1, 33))).result(20)
+        assert ctx.submit_store(
+            mp.key("R", model=model, tokens=tokens_b), list(range(1, 33))
+        ).result(20)
         assert mp.lookup_hits(c, tokens=tokens_b, model=model) == 2
     finally:
         ctx.close()
@@ -313,7 +323,10 @@ def test_free_lookup_locks_and_clear(srv, mp):
         assert c.call("clear", False) is None
         assert mp.lookup_hits(c, model=model) == 2
         k = mp.key(rid, model=model, worker_id=None)
-        assert c.call("free_lookup_locks", mp.key(rid, model=model, worker_id=None, start=0, end=0), 1) is None
+        assert (
+            c.call("free_lookup_locks", mp.key(rid, model=model, worker_id=None, start=0, end=0), 1)
+            is None
+        )
         assert c.call("free_lookup_locks", k, 1) is None
         assert c.call("free_lookup_locks", k, 1) is None  # repeated: no-op
         # the second lookup above still holds locks until its session ends
@@ -353,7 +366,9 @@ def test_session_ttl_counts_from_last_use(lmcache_server, mp):
         c.call("lookup", live, 1)
         c.call("lookup", idle, 1)
         for _ in range(10):  # touch "live" every 0.5 s for 5 s
-            c.call("free_lookup_locks", mp.key("live", model=model, worker_id=None, start=0, end=0), 1)
+            c.call(
+                "free_lookup_locks", mp.key("live", model=model, worker_id=None, start=0, end=0), 1
+            )
             time.sleep(0.5)
         # "idle" expired (its result is gone), "live" still has its unconsumed result
         assert c.call("query_prefetch_status", "idle") == 0
@@ -367,7 +382,9 @@ def test_session_ttl_counts_from_last_use(lmcache_server, mp):
 
 
 def test_reaping_by_liveness(lmcache_server, mp):
-    srv = lmcache_server("--worker-reap-timeout-seconds", "2", "--worker-registration-grace-seconds", "2")
+    srv = lmcache_server(
+        "--worker-reap-timeout-seconds", "2", "--worker-registration-grace-seconds", "2"
+    )
     kv = mp.make_kv()
     c1, silent = mp.worker(srv.rpc_url, kv)
     c2, alive = mp.worker(srv.rpc_url, kv)
@@ -390,8 +407,12 @@ def test_reaping_by_liveness(lmcache_server, mp):
 
 def test_reaping_discards_pending_shm_reservation(lmcache_server, mp):
     srv = lmcache_server(
-        "--shm-name", f"reap{os.getpid()}", "--worker-reap-timeout-seconds", "1",
-        "--worker-registration-grace-seconds", "1",
+        "--shm-name",
+        f"reap{os.getpid()}",
+        "--worker-reap-timeout-seconds",
+        "1",
+        "--worker-registration-grace-seconds",
+        "1",
     )
     model = _model()
     c, ctx = mp.worker(srv.rpc_url, mp.make_kv(), model=model)
@@ -427,8 +448,13 @@ def test_shm_registration_and_disabled_reason(lmcache_server, srv_shm, mp):
         reply = c.call(
             "register_kv_cache_engine_driven_context",
             P.RegisterEngineDrivenContextPayload(
-                instance_id=ctx.instance_id, model_name="m", world_size=1, block_size=16,
-                num_layers=2, hidden_dim_size=16, dtype_str="float16",
+                instance_id=ctx.instance_id,
+                model_name="m",
+                world_size=1,
+                block_size=16,
+                num_layers=2,
+                hidden_dim_size=16,
+                dtype_str="float16",
             ),
         )
         assert reply["shm_name"] == f"lmcache_l1_pool_conf{os.getpid()}" and reply["pool_size"] > 0
@@ -446,10 +472,14 @@ def test_shm_larger_than_dev_shm_is_reported(lmcache_server, mp):
         )
     except RuntimeError as exc:
         if "Cannot allocate memory" in str(exc):
-            pytest.xfail("lazy L1 larger than RAM cannot be reserved on this host (storage allocator)")
+            pytest.xfail(
+                "lazy L1 larger than RAM cannot be reserved on this host (storage allocator)"
+            )
         raise
     st = mp.status(big)
-    assert st["engine_driven"]["shm_enabled"] is False and st["engine_driven"]["shm_disabled_reason"]
+    assert (
+        st["engine_driven"]["shm_enabled"] is False and st["engine_driven"]["shm_disabled_reason"]
+    )
     assert "SHM" in big.log() and "WARNING" in big.log()
 
 

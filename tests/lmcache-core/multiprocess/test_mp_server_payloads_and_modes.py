@@ -31,8 +31,13 @@ def srv(lmcache_server_module):
 def _register(client: MPClient, model: str, dtype: str, layers: int = 2, hidden: int = 8) -> int:
     iid = next(_ids)
     payload = P.RegisterEngineDrivenContextPayload(
-        instance_id=iid, model_name=model, world_size=1, block_size=16, num_layers=layers,
-        hidden_dim_size=hidden, dtype_str=dtype,
+        instance_id=iid,
+        model_name=model,
+        world_size=1,
+        block_size=16,
+        num_layers=layers,
+        hidden_dim_size=hidden,
+        dtype_str=dtype,
     )
     client.call("register_kv_cache_engine_driven_context", payload)
     return iid
@@ -40,8 +45,14 @@ def _register(client: MPClient, model: str, dtype: str, layers: int = 2, hidden:
 
 def _key(model: str, rid: str, worker_id=0, readers=1):
     return P.IPCCacheServerKey(
-        model_name=model, world_size=1, worker_id=worker_id, token_ids=list(range(1, 513)),
-        start=0, end=512, request_id=rid, num_kv_readers=readers,
+        model_name=model,
+        world_size=1,
+        worker_id=worker_id,
+        token_ids=list(range(1, 513)),
+        start=0,
+        end=512,
+        request_id=rid,
+        num_kv_readers=readers,
     )
 
 
@@ -54,7 +65,10 @@ def test_pickle_payload_stores_the_same_bytes(srv, protocol, dtype):
     new = MPClient(srv.rpc_url, default_timeout=20)
     try:
         iid = _register(old, model, name)
-        chunks = [(torch.arange(2 * 2 * 256 * 8) % 251).to(dtype).reshape(2, 2, 256, 8) + i for i in range(2)]
+        chunks = [
+            (torch.arange(2 * 2 * 256 * 8) % 251).to(dtype).reshape(2, 2, 256, 8) + i
+            for i in range(2)
+        ]
         k = _key(model, "s")
         assert old.call("prepare_store", k, iid) == {"context": {}}
         assert old.call("commit_store", k, iid, pickle.dumps(chunks, protocol=protocol)) is True
@@ -68,7 +82,9 @@ def test_pickle_payload_stores_the_same_bytes(srv, protocol, dtype):
         from lmcache.v1.multiprocess.payload_codec import decode_raw_v1
 
         got = decode_raw_v1(reply["data"], 2)
-        assert [bytes(g) for g in got] == [c.contiguous().view(torch.uint8).numpy().tobytes() for c in chunks]
+        assert [bytes(g) for g in got] == [
+            c.contiguous().view(torch.uint8).numpy().tobytes() for c in chunks
+        ]
     finally:
         old.close()
         new.close()
@@ -80,7 +96,12 @@ def test_pickle_payload_stores_the_same_bytes(srv, protocol, dtype):
         pickle.dumps([torch.zeros(2, 2, 256, 8, dtype=torch.float16)] * 2, protocol=2),
         pickle.dumps([torch.zeros(2, 2, 256, 8, dtype=torch.float16)] * 3),
         pickle.dumps([torch.zeros(2, 2, 256, 8, dtype=torch.bfloat16)] * 2),
-        pickle.dumps([torch.zeros(2, 2, 256, 8, dtype=torch.float16), torch.zeros(9_000_000, dtype=torch.float16)]),
+        pickle.dumps(
+            [
+                torch.zeros(2, 2, 256, 8, dtype=torch.float16),
+                torch.zeros(9_000_000, dtype=torch.float16),
+            ]
+        ),
         b"\x80\x04garbage",
         b"NOTAPAYLOAD",
         b"",
@@ -124,21 +145,32 @@ def test_shm_attach_failure_falls_back_with_warning(lmcache_server, monkeypatch,
     client = MPClient(srv.rpc_url, default_timeout=20)
     try:
         with caplog.at_level(logging.INFO, logger="lmcache"):
-            ctx = create_transfer_context(kv, instance_id=next(_ids), req_client=client, mode="engine_driven")
+            ctx = create_transfer_context(
+                kv, instance_id=next(_ids), req_client=client, mode="engine_driven"
+            )
             ctx.register("fb-model", 1)
         assert ctx.mode == "raw_v1"
         text = caplog.text
-        assert f"Failed to initialize SHM context (shm_name=lmcache_l1_pool_fb{os.getpid()}), falling back to raw_v1 transport" in text
-        assert f"Worker engine-driven context registered (instance_id={ctx.instance_id}, mode=raw_v1)" in text
+        assert (
+            f"Failed to initialize SHM context (shm_name=lmcache_l1_pool_fb{os.getpid()}), falling back to raw_v1 transport"
+            in text
+        )
+        assert (
+            f"Worker engine-driven context registered (instance_id={ctx.instance_id}, mode=raw_v1)"
+            in text
+        )
         k = _key("fb-model", "s")
         assert ctx.submit_store(k, list(range(1, 33))).result(20) is True
         assert "switching it to the copy path" in srv.log()
         rid = "fb-r"
         client.call("lookup", _key("fb-model", rid, worker_id=None), 1)
         assert client.call("wait_prefetch_status", rid, 10.0) == 2
+        monkeypatch.undo()  # the reading engine maps the pool normally
         dest = [torch.zeros_like(t) for t in kv]
         c2 = MPClient(srv.rpc_url, default_timeout=20)
-        ctx2 = create_transfer_context(dest, instance_id=next(_ids), req_client=c2, mode="engine_driven")
+        ctx2 = create_transfer_context(
+            dest, instance_id=next(_ids), req_client=c2, mode="engine_driven"
+        )
         ctx2.register("fb-model", 1)
         assert ctx2.submit_retrieve(_key("fb-model", rid), list(range(1, 33))).result(20) is True
         assert all(torch.equal(a[:, 1:33], b[:, 1:33]) for a, b in zip(kv, dest, strict=True))
@@ -153,7 +185,9 @@ def test_mode_not_enabled(lmcache_server):
     kv = [torch.randn(2, 64, 16, 2, 8).half() for _ in range(2)]
     client = MPClient(only_engine.rpc_url, default_timeout=20)
     try:
-        ctx = create_transfer_context(kv, instance_id=next(_ids), req_client=client, mode="lmcache_driven")
+        ctx = create_transfer_context(
+            kv, instance_id=next(_ids), req_client=client, mode="lmcache_driven"
+        )
         with pytest.raises(RemoteError) as exc:
             ctx.register("m", 1)
         assert exc.value.code == "MODE_NOT_ENABLED"
@@ -165,7 +199,9 @@ def test_mode_not_enabled(lmcache_server):
     only_lmc = lmcache_server("--supported-transfer-mode", "lmcache_driven")
     client = MPClient(only_lmc.rpc_url, default_timeout=20)
     try:
-        ctx = create_transfer_context(kv, instance_id=next(_ids), req_client=client, mode="engine_driven")
+        ctx = create_transfer_context(
+            kv, instance_id=next(_ids), req_client=client, mode="engine_driven"
+        )
         with pytest.raises(RemoteError) as exc:
             ctx.register("m", 1)
         assert exc.value.code == "MODE_NOT_ENABLED"
@@ -196,12 +232,18 @@ time.sleep(600)
 
 def test_client_killed_mid_shm_store_leaves_nothing_readable(lmcache_server):
     srv = lmcache_server(
-        "--shm-name", f"kill{os.getpid()}", "--worker-reap-timeout-seconds", "1",
-        "--worker-registration-grace-seconds", "1",
+        "--shm-name",
+        f"kill{os.getpid()}",
+        "--worker-reap-timeout-seconds",
+        "1",
+        "--worker-registration-grace-seconds",
+        "1",
     )
     iid = next(_ids)
     proc = subprocess.Popen(
-        [sys.executable, "-c", _HALF_WRITER, srv.rpc_url, str(iid)], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", _HALF_WRITER, srv.rpc_url, str(iid)],
+        stdout=subprocess.PIPE,
+        text=True,
     )
     try:
         assert proc.stdout.readline().strip() == "READY"
@@ -209,7 +251,7 @@ def test_client_killed_mid_shm_store_leaves_nothing_readable(lmcache_server):
         proc.wait(10)
         with MPClient(srv.rpc_url, default_timeout=20) as c:
             deadline = time.monotonic() + 15
-            while "Reaped instance %d" % iid not in srv.log():
+            while f"Reaped instance {iid}" not in srv.log():
                 assert time.monotonic() < deadline, srv.log()
                 time.sleep(0.2)
             c.call("lookup", _key("killed-model", "after", worker_id=None), 1)

@@ -35,7 +35,8 @@ def test_token_out_of_range_rejected():
 
 
 @pytest.mark.parametrize(
-    "ws,rank,expected", [(1, 0, 0x01000100), (2, 1, 0x02010201), (4, 2, 0x04020402), (8, 7, 0x08070807)]
+    "ws,rank,expected",
+    [(1, 0, 0x01000100), (2, 1, 0x02010201), (4, 2, 0x04020402), (8, 7, 0x08070807)],
 )
 def test_kv_rank(ws, rank, expected):
     assert compute_kv_rank(ws, rank) == expected
@@ -43,8 +44,14 @@ def test_kv_rank(ws, rank, expected):
 
 def _key(**kw):
     base = dict(
-        model_name="m", world_size=4, worker_id=None, token_ids=list(range(1, 513)), start=0, end=512,
-        request_id="r", num_kv_readers=1,
+        model_name="m",
+        world_size=4,
+        worker_id=None,
+        token_ids=list(range(1, 513)),
+        start=0,
+        end=512,
+        request_id="r",
+        num_kv_readers=1,
     )
     base.update(kw)
     return P.IPCCacheServerKey(**base)
@@ -68,7 +75,9 @@ def test_fan_out():
 
 def test_key_validation_messages():
     with pytest.raises(P.RequestError, match="aligned"):
-        P.validate_key(_key(end=300, token_ids=list(range(300))), chunk_aligned=True, chunk_size=256)
+        P.validate_key(
+            _key(end=300, token_ids=list(range(300))), chunk_aligned=True, chunk_size=256
+        )
     with pytest.raises(P.RequestError, match="outside"):
         P.validate_key(_key(end=600), chunk_aligned=False, chunk_size=256)
     with pytest.raises(P.RequestError, match="cache_salt"):
@@ -78,12 +87,23 @@ def test_key_validation_messages():
 def test_struct_decoding_rules():
     # unknown fields ignored, defaults filled, ints accepted as bools
     raw = msgspec.msgpack.encode(
-        {"instance_id": 1, "model_name": "m", "world_size": 1, "block_size": 16, "num_layers": 2,
-         "hidden_dim_size": 8, "dtype_str": "float16", "use_mla": 1, "future_field": "x"}
+        {
+            "instance_id": 1,
+            "model_name": "m",
+            "world_size": 1,
+            "block_size": 16,
+            "num_layers": 2,
+            "hidden_dim_size": 8,
+            "dtype_str": "float16",
+            "use_mla": 1,
+            "future_field": "x",
+        }
     )
     payload = P.convert_param(P.Param("p", P.RegisterEngineDrivenContextPayload), P.decode(raw))
     assert payload.use_mla is True and payload.num_physical_slots is None
-    assert P.lookup_op(21).name == "get_chunk_size" and P.lookup_op("get_chunk_size").legacy_id == 21
+    assert (
+        P.lookup_op(21).name == "get_chunk_size" and P.lookup_op("get_chunk_size").legacy_id == 21
+    )
     assert P.lookup_op(11) is None and P.lookup_op(999) is None
 
 
@@ -97,7 +117,10 @@ def test_remote_error_ext_roundtrip():
 def test_restricted_unpickler_accepts_tensor_lists(protocol, dtype):
     chunks = [(torch.arange(24) % 7).to(dtype).reshape(2, 3, 4) for _ in range(2)]
     out = codec.restricted_unpickle_tensors(
-        pickle.dumps(chunks, protocol=protocol), expected_count=2, expected_shape=(2, 3, 4), expected_dtype=dtype
+        pickle.dumps(chunks, protocol=protocol),
+        expected_count=2,
+        expected_shape=(2, 3, 4),
+        expected_dtype=dtype,
     )
     assert all(torch.equal(a, b) for a, b in zip(out, chunks, strict=True))
 
@@ -140,7 +163,9 @@ def test_raw_v1_roundtrip_and_length_checks():
     data = codec.encode_raw_v1([t, None, b"xyz"])
     assert data[:8] == b"LMCRAW01" and codec.detect_encoding(data) == "raw_v1"
     parts = codec.decode_raw_v1(data, 3)
-    assert bytes(parts[0]) == t.numpy().tobytes() and len(parts[1]) == 0 and bytes(parts[2]) == b"xyz"
+    assert (
+        bytes(parts[0]) == t.numpy().tobytes() and len(parts[1]) == 0 and bytes(parts[2]) == b"xyz"
+    )
     with pytest.raises(codec.PayloadError):
         codec.decode_raw_v1(data, 2)
     with pytest.raises(codec.PayloadError):

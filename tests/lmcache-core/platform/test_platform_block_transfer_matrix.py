@@ -255,3 +255,27 @@ def test_roundtrip_through_host_chunks_property(fmt, bs, bpo, data):
             assert torch.equal(back[:, :, b], L[:, :, b])
         else:
             assert bool((back[:, :, b] == 0).all())
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    family=st.sampled_from([SPLIT_FAMILY, FUSED_FAMILY, MLA_FAMILY]),
+    bs=st.sampled_from([1, 2, 4]),
+    data=st.data(),
+)
+def test_host_chunk_bytes_identical_across_formats_property(family, bs, data):
+    nb, bpo = 6, 2
+    n = data.draw(st.integers(1, nb), label="n_blocks")
+    ids = data.draw(st.permutations(list(range(nb))), label="perm")[:n]
+    skip = data.draw(st.integers(0, n), label="skip")
+    L = logical_kv(family[0], 2, nb, bs, 2, 4, seed=bs)
+    chunk = bpo * bs
+    seen = None
+    for fmt in family:
+        objs = [host_chunk(fmt, L, chunk, fill=0) for _ in range(-(-n // bpo))]
+        multi_layer_block_kv_transfer(
+            make_paged(fmt, L), objs, ids, "cpu", D2H, shape_desc(fmt, L), chunk, fmt, skip
+        )
+        raw = b"".join(o.numpy().tobytes() for o in objs)
+        assert seen is None or raw == seen, EngineKVFormat(fmt).name
+        seen = raw

@@ -344,7 +344,9 @@ def test_no_accelerator_falls_back_to_stub_detection_runs_once(caplog):
             dd.current_device_spec()
             assert lmcache.torch_device_type == "cpu"
             assert repr(lmcache.torch_dev) == "StubCPUDevice(device_type=cpu)"
-            lmcache.device_ops  # noqa: B018
+            from lmcache import device_ops  # PEP 562 hook on the namespace package
+
+            assert device_ops is dd.resolve_device_ops("cpu")
         assert repr(first[0]) == "StubCPUDevice(device_type=cpu)"
         lines = [
             r.getMessage()

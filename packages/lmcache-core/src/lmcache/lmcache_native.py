@@ -309,6 +309,11 @@ def fold_grouped(rows: Sequence[Bitmap], windows: Sequence[int]) -> Bitmap:
     num_chunks = min((r.size() for r in rows), default=0)
     out = Bitmap(num_chunks + 1)
     out.set(0)
+    if all(w <= 0 for w in windows):
+        # full attention only: prefixes are monotone, so one scan per row suffices
+        best = min((r.count_leading_ones() for r in rows), default=num_chunks)
+        out.set_range(0, min(best, num_chunks) + 1)
+        return out
     for hit in range(1, num_chunks + 1):
         if _prefix_ok(rows, windows, hit):
             out.set(hit)

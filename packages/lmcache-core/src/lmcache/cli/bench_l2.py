@@ -13,6 +13,8 @@ adapter is benchmarked on its own) and falls back to the env var ``L2_ADAPTER_JS
 from __future__ import annotations
 
 import argparse
+import functools
+import hashlib
 import json
 import os
 import select
@@ -33,22 +35,45 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--l2-adapter", action="append", default=[], metavar="JSON",
-                   help="adapter spec as JSON (repeatable; default: $L2_ADAPTER_JSON)")
+    p.add_argument(
+        "--l2-adapter",
+        action="append",
+        default=[],
+        metavar="JSON",
+        help="adapter spec as JSON (repeatable; default: $L2_ADAPTER_JSON)",
+    )
     p.add_argument("--num-keys", type=int, default=32, help="keys per task (default 32)")
     p.add_argument("--in-flight", type=int, default=1, help="tasks submitted at once (default 1)")
-    p.add_argument("--data-size-kb", type=int, default=256, help="bytes per key in KiB (default 256)")
-    p.add_argument("--l1-align-bytes", type=int, default=1,
-                   help="buffer alignment (4096 for O_DIRECT backends; default 1)")
+    p.add_argument(
+        "--data-size-kb", type=int, default=256, help="bytes per key in KiB (default 256)"
+    )
+    p.add_argument(
+        "--l1-align-bytes",
+        type=int,
+        default=1,
+        help="buffer alignment (4096 for O_DIRECT backends; default 1)",
+    )
     p.add_argument("--l1-use-hugepages", action="store_true", help="back the arena with hugepages")
     p.add_argument("--rounds", type=int, default=1, help="measured rounds (default 1)")
     p.add_argument("--warmup-rounds", type=int, default=1, help="unmeasured rounds (default 1)")
-    p.add_argument("--lookup-max-hit-rate", type=float, default=0.0,
-                   help="fraction of looked-up keys that exist (default 0.0: pure misses)")
-    p.add_argument("--skip-verify", action=argparse.BooleanOptionalAction, default=True,
-                   help="skip comparing loaded bytes with stored bytes (default: skip)")
-    p.add_argument("--only", choices=OPS, default=None, help="run only this op (store runs "
-                   "first as setup when needed, unmeasured)")
+    p.add_argument(
+        "--lookup-max-hit-rate",
+        type=float,
+        default=0.0,
+        help="fraction of looked-up keys that exist (default 0.0: pure misses)",
+    )
+    p.add_argument(
+        "--skip-verify",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="skip comparing loaded bytes with stored bytes (default: skip)",
+    )
+    p.add_argument(
+        "--only",
+        choices=OPS,
+        default=None,
+        help="run only this op (store runs first as setup when needed, unmeasured)",
+    )
     p.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for one task")
     p.add_argument("--output", metavar="FILE", default=None, help="also write the JSON here")
     p.set_defaults(func=run)
@@ -74,8 +99,11 @@ class _Bench:
         from lmcache.v1.distributed.api import ObjectKey
 
         return [
-            ObjectKey(f"{tag}:{rnd}:{task}:{i}".encode().ljust(16, b"\0")[:16].hex().encode()[:32],
-                      "lmcache-bench-l2", 0)
+            ObjectKey(
+                hashlib.blake2b(f"{tag}:{rnd}:{task}:{i}".encode(), digest_size=16).digest(),
+                "lmcache-bench-l2",
+                0,
+            )
             for i in range(self.args.num_keys)
         ]
 
@@ -100,7 +128,9 @@ class _Bench:
 
         return poll
 
-    def run_op(self, op: str, rnd: int, objs: list[list[Any]], stored: list[list[Any]]) -> dict[str, Any]:
+    def run_op(
+        self, op: str, rnd: int, objs: list[list[Any]], stored: list[list[Any]]
+    ) -> dict[str, Any]:
         n_tasks = self.args.in_flight
         deadline = time.monotonic() + self.args.timeout
         submitted = []
@@ -115,15 +145,15 @@ class _Bench:
                 keys = stored[t % len(stored)][:hits] + self.keys("miss", rnd, t)[hits:]
                 tid = self.a.submit_lookup_and_lock_task(keys, None)
                 fd = self.a.get_lookup_and_lock_event_fd()
-                poll = (lambda tid=tid: self.a.query_lookup_and_lock_result(tid))
+                poll = functools.partial(self.a.query_lookup_and_lock_result, tid)
             else:
                 keys = stored[t % len(stored)]
                 tid = self.a.submit_load_task(keys, objs[t])
                 fd = self.a.get_load_event_fd()
-                poll = (lambda tid=tid: self.a.query_load_result(tid))
+                poll = functools.partial(self.a.query_load_result, tid)
             submitted.append((t, keys, tid, fd, poll, time.perf_counter()))
         durations, ok_keys, ok_tasks = [], 0, 0
-        for t, keys, _tid, fd, poll, start in submitted:
+        for _t, keys, _tid, fd, poll, start in submitted:
             res = self.wait(fd, poll, deadline)
             durations.append(time.perf_counter() - start)
             if op == "store":
@@ -139,8 +169,15 @@ class _Bench:
                         self.a.submit_unlock(found)
         wall = time.perf_counter() - t0
         moved = self.nbytes * (ok_keys if op != "lookup" else 0)
-        return {"durations": durations, "wall": wall, "bytes": moved, "ok_keys": ok_keys,
-                "ok_tasks": ok_tasks, "tasks": n_tasks, "keys": n_tasks * self.args.num_keys}
+        return {
+            "durations": durations,
+            "wall": wall,
+            "bytes": moved,
+            "ok_keys": ok_keys,
+            "ok_tasks": ok_tasks,
+            "tasks": n_tasks,
+            "keys": n_tasks * self.args.num_keys,
+        }
 
 
 def _summary(op: str, rounds: list[dict[str, Any]], num_keys: int) -> dict[str, Any]:
@@ -158,7 +195,9 @@ def _summary(op: str, rounds: list[dict[str, Any]], num_keys: int) -> dict[str, 
         "avg_mb_per_s": round(statistics.fmean(mbps), 2) if mbps else 0.0,
         "min_mb_per_s": round(min(mbps), 2) if mbps else 0.0,
         "max_mb_per_s": round(max(mbps), 2) if mbps else 0.0,
-        "avg_latency_per_key_us": round(statistics.fmean(durs) / num_keys * 1e6, 2) if durs else 0.0,
+        "avg_latency_per_key_us": round(statistics.fmean(durs) / num_keys * 1e6, 2)
+        if durs
+        else 0.0,
     }
 
 
@@ -181,7 +220,9 @@ def _bench_one(spec_json: str, index: int, args: argparse.Namespace) -> dict[str
     align = args.l1_align_bytes
     slot = (nbytes + align - 1) // align * align
     n_bufs = 2 * args.in_flight * args.num_keys
-    alloc = L1Allocator(slot * n_bufs + align, align, shm_name="", use_hugepages=args.l1_use_hugepages)
+    alloc = L1Allocator(
+        slot * n_bufs + align, align, shm_name="", use_hugepages=args.l1_use_hugepages
+    )
     adapter = create_l2_adapter_from_registry(cfg, alloc.memory_desc())
     try:
         shape, dt = [torch.Size([nbytes])], [torch.uint8]
@@ -202,7 +243,7 @@ def _bench_one(spec_json: str, index: int, args: argparse.Namespace) -> dict[str
                 store_rounds.append(r)
         if "store" in ops:
             results["store"] = _summary("store", store_rounds, args.num_keys)
-        stored_batches = stored[-args.in_flight:]
+        stored_batches = stored[-args.in_flight :]
         for op in ("lookup", "load"):
             if op not in ops:
                 continue
@@ -215,7 +256,8 @@ def _bench_one(spec_json: str, index: int, args: argparse.Namespace) -> dict[str
         if "load" in ops and not args.skip_verify:
             mismatched = sum(
                 int(not torch.equal(s.tensor, d_.tensor))
-                for sg, dg in zip(src, dst, strict=False) for s, d_ in zip(sg, dg, strict=False)
+                for sg, dg in zip(src, dst, strict=False)
+                for s, d_ in zip(sg, dg, strict=False)
             )
             results["load"]["verify_mismatched_keys"] = mismatched
         return {"adapter": d, "type": d.get("type"), "results": results}
@@ -226,10 +268,14 @@ def _bench_one(spec_json: str, index: int, args: argparse.Namespace) -> dict[str
 
 
 def run(args: argparse.Namespace) -> int:
-    specs = list(args.l2_adapter) or ([os.environ["L2_ADAPTER_JSON"]] if os.environ.get("L2_ADAPTER_JSON") else [])
+    specs = list(args.l2_adapter) or (
+        [os.environ["L2_ADAPTER_JSON"]] if os.environ.get("L2_ADAPTER_JSON") else []
+    )
     if not specs:
-        raise CLIError("give --l2-adapter JSON (or set L2_ADAPTER_JSON), e.g. "
-                       '--l2-adapter \'{"type":"mock","max_size_gb":4,"mock_bandwidth_gb":10}\'')
+        raise CLIError(
+            "give --l2-adapter JSON (or set L2_ADAPTER_JSON), e.g. "
+            '--l2-adapter \'{"type":"mock","max_size_gb":4,"mock_bandwidth_gb":10}\''
+        )
     for name in ("num_keys", "in_flight", "data_size_kb", "rounds", "l1_align_bytes"):
         if getattr(args, name) < 1:
             raise CLIError(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(args, name)})")
@@ -241,9 +287,20 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError(f"--lookup-max-hit-rate must be in [0, 1] (got {args.lookup_max_hit_rate})")
     report = {
         "benchmark": "l2",
-        "config": {k: getattr(args, k) for k in ("num_keys", "in_flight", "data_size_kb",
-                                                  "l1_align_bytes", "rounds", "warmup_rounds",
-                                                  "lookup_max_hit_rate", "skip_verify", "only")},
+        "config": {
+            k: getattr(args, k)
+            for k in (
+                "num_keys",
+                "in_flight",
+                "data_size_kb",
+                "l1_align_bytes",
+                "rounds",
+                "warmup_rounds",
+                "lookup_max_hit_rate",
+                "skip_verify",
+                "only",
+            )
+        },
         "adapters": [_bench_one(s, i, args) for i, s in enumerate(specs, start=1)],
     }
     text = json.dumps(report, indent=2)

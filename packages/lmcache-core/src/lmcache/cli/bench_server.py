@@ -30,22 +30,34 @@ from lmcache.cli.errors import CLIError
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("server", help="benchmark a running lmcache server", description=__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = subparsers.add_parser(
+        "server",
+        help="benchmark a running lmcache server",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--rpc-url", default="tcp://localhost:5555", help="server RPC URL")
     p.add_argument("--url", default=None, help="server HTTP URL (optional; used for /status)")
     p.add_argument("--mode", default="cpu", choices=("cpu",), help="KV cache device (cpu)")
-    p.add_argument("--transfer-mode", default="engine_driven",
-                   choices=("engine_driven", "lmcache_driven", "auto"))
-    p.add_argument("--kvcache-shape-spec", default="(2,1024,16,8,128):float16:32",
-                   help="'(2,NB,BS,NH,HS):dtype:num_layers' per-layer NHD KV shape")
+    p.add_argument(
+        "--transfer-mode",
+        default="engine_driven",
+        choices=("engine_driven", "lmcache_driven", "auto"),
+    )
+    p.add_argument(
+        "--kvcache-shape-spec",
+        default="(2,1024,16,8,128):float16:32",
+        help="'(2,NB,BS,NH,HS):dtype:num_layers' per-layer NHD KV shape",
+    )
     p.add_argument("--num-tokens", type=int, default=512, help="tokens per request")
     p.add_argument("--start", type=int, default=None, help="sweep: first request size (tokens)")
     p.add_argument("--end", type=int, default=None, help="sweep: last request size (tokens)")
     p.add_argument("--interval", type=int, default=None, help="sweep: step (tokens)")
     p.add_argument("--iterations", type=int, default=20, help="requests per size (default 20)")
     p.add_argument("--model-name", default="bench-model")
-    p.add_argument("--baselines", action="store_true", help="also measure noop RTT, bare zmq and memcpy")
+    p.add_argument(
+        "--baselines", action="store_true", help="also measure noop RTT, bare zmq and memcpy"
+    )
     p.add_argument("--format", default="json", choices=("json", "text"))
     p.add_argument("--output", default=None, help="write the JSON here (default stdout)")
     p.add_argument("--no-progress", action="store_true")
@@ -65,7 +77,9 @@ def parse_shape_spec(spec: str) -> tuple[tuple[int, ...], Any, int]:
             f"--kvcache-shape-spec {spec!r} is malformed; use '(2,NB,BS,NH,HS):float16:NUM_LAYERS'"
         ) from None
     if len(shape) != 5 or shape[0] != 2 or not isinstance(dtype, torch.dtype) or layers < 1:
-        raise CLIError(f"--kvcache-shape-spec {spec!r}: need a 5-dim (2,NB,BS,NH,HS) shape, a torch dtype and layers >= 1")
+        raise CLIError(
+            f"--kvcache-shape-spec {spec!r}: need a 5-dim (2,NB,BS,NH,HS) shape, a torch dtype and layers >= 1"
+        )
     return shape, dtype, layers
 
 
@@ -116,16 +130,22 @@ def run(args: argparse.Namespace) -> int:
         try:
             chunk = client.get_chunk_size(timeout=10)
         except LMCacheTimeoutError:
-            raise CLIError(f"no lmcache server answers at {args.rpc_url}; start one with `lmcache server`", 1) from None
+            raise CLIError(
+                f"no lmcache server answers at {args.rpc_url}; start one with `lmcache server`", 1
+            ) from None
         sizes = [s - s % chunk for s in sizes if s >= chunk]
         if not sizes:
             raise CLIError(f"every request size is below the server chunk size {chunk}")
         blocks_needed = max(sizes) // bs
         if blocks_needed * 2 > nb:
-            raise CLIError(f"the KV cache has {nb} blocks; {max(sizes)} tokens need {2 * blocks_needed} (source + destination)")
+            raise CLIError(
+                f"the KV cache has {nb} blocks; {max(sizes)} tokens need {2 * blocks_needed} (source + destination)"
+            )
         kv = [torch.randn(shape).to(dtype) for _ in range(layers)]
         instance_id = random.getrandbits(62)
-        ctx = create_transfer_context(kv, instance_id=instance_id, req_client=client, mode=args.transfer_mode)
+        ctx = create_transfer_context(
+            kv, instance_id=instance_id, req_client=client, mode=args.transfer_mode
+        )
         ctx.register(args.model_name, 1)
         prog = _Progress(len(sizes) * args.iterations, not args.no_progress)
         results = []
@@ -147,9 +167,14 @@ def run(args: argparse.Namespace) -> int:
         out = {
             "benchmark": "lmcache bench server",
             "config": {
-                "rpc_url": args.rpc_url, "mode": args.mode, "transfer_mode": args.transfer_mode,
-                "context_mode": ctx.mode, "kvcache_shape_spec": args.kvcache_shape_spec,
-                "chunk_size": chunk, "iterations": args.iterations, "sizes": sizes,
+                "rpc_url": args.rpc_url,
+                "mode": args.mode,
+                "transfer_mode": args.transfer_mode,
+                "context_mode": ctx.mode,
+                "kvcache_shape_spec": args.kvcache_shape_spec,
+                "chunk_size": chunk,
+                "iterations": args.iterations,
+                "sizes": sizes,
             },
             "metrics": summary,
         }
@@ -173,11 +198,19 @@ def _bench_size(client, ctx, kv, n_tok, chunk, bs, args, P, prog) -> dict[str, A
     nbytes = sum(t[:, :bpt].numel() * t.element_size() for t in kv)
     t_cold_lookup, t_store, t_warm_lookup, t_retrieve = [], [], [], []
     verified = True
-    rng = random.Random(n_tok)
+    rng = random.Random()  # fresh prompts every run: nothing may already be cached
 
     def lookup(tokens, rid) -> tuple[int, float]:
-        k = P.IPCCacheServerKey(model_name=args.model_name, world_size=1, worker_id=None, token_ids=tokens,
-                                start=0, end=len(tokens), request_id=rid, num_kv_readers=1)
+        k = P.IPCCacheServerKey(
+            model_name=args.model_name,
+            world_size=1,
+            worker_id=None,
+            token_ids=tokens,
+            start=0,
+            end=len(tokens),
+            request_id=rid,
+            num_kv_readers=1,
+        )
         t0 = time.perf_counter()
         client.call("lookup", k, 1)
         hit = client.call("wait_prefetch_status", rid, 30.0)
@@ -189,8 +222,16 @@ def _bench_size(client, ctx, kv, n_tok, chunk, bs, args, P, prog) -> dict[str, A
         hit, dt = lookup(tokens, rid + "-cold")
         t_cold_lookup.append(dt)
         client.call("end_session", rid + "-cold")
-        key = P.IPCCacheServerKey(model_name=args.model_name, world_size=1, worker_id=0, token_ids=tokens,
-                                  start=0, end=n_tok, request_id=rid, num_kv_readers=1)
+        key = P.IPCCacheServerKey(
+            model_name=args.model_name,
+            world_size=1,
+            worker_id=0,
+            token_ids=tokens,
+            start=0,
+            end=n_tok,
+            request_id=rid,
+            num_kv_readers=1,
+        )
         t0 = time.perf_counter()
         stored = ctx.submit_store(key, src_ids).result(60)
         t_store.append(time.perf_counter() - t0)
@@ -202,7 +243,8 @@ def _bench_size(client, ctx, kv, n_tok, chunk, bs, args, P, prog) -> dict[str, A
         ok = ctx.submit_retrieve(key, dst_ids).result(60)
         t_retrieve.append(time.perf_counter() - t0)
         same = all(
-            torch.equal(t[:, src_ids[0] : src_ids[-1] + 1], t[:, dst_ids[0] : dst_ids[-1] + 1]) for t in kv
+            torch.equal(t[:, src_ids[0] : src_ids[-1] + 1], t[:, dst_ids[0] : dst_ids[-1] + 1])
+            for t in kv
         )
         verified = verified and bool(stored) and hit * chunk == n_tok and bool(ok) and same
         client.call("end_session", rid)
@@ -268,7 +310,9 @@ def _baselines(client) -> dict[str, Any]:
 def _text(out: dict[str, Any]) -> str:
     lines = []
     for r in out["metrics"]["results"]:
-        lines.append(f"{r['num_tokens']} tokens ({r['bytes_per_request'] / 2**20:.1f} MiB) verified={r['verified']}")
+        lines.append(
+            f"{r['num_tokens']} tokens ({r['bytes_per_request'] / 2**20:.1f} MiB) verified={r['verified']}"
+        )
         for op in ("cold_lookup", "cold_store", "warm_lookup", "warm_retrieve"):
             s = r[op]
             extra = f" {s['gbps']:.2f} GB/s" if "gbps" in s else ""

@@ -15,10 +15,16 @@ from lmcache.cli.errors import CLIError
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("ping", help="check that an lmcache server answers (RTT)", description=__doc__)
-    parser.add_argument("--url", default="localhost:5555", help="server RPC URL (default localhost:5555)")
+    parser = subparsers.add_parser(
+        "ping", help="check that an lmcache server answers (RTT)", description=__doc__
+    )
+    parser.add_argument(
+        "--url", default="localhost:5555", help="server RPC URL (default localhost:5555)"
+    )
     parser.add_argument("--count", type=int, default=3, help="pings to send (default 3)")
-    parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait per ping (default 5)")
+    parser.add_argument(
+        "--timeout", type=float, default=5.0, help="seconds to wait per ping (default 5)"
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(func=run)
 
@@ -40,7 +46,8 @@ def run(args: argparse.Namespace) -> int:
                 client.ping(None)
             except LMCacheTimeoutError:
                 raise CLIError(
-                    f"no reply from {url} within {args.timeout} s; is `lmcache server` running there?", 1
+                    f"no reply from {url} within {args.timeout} s; is `lmcache server` running there?",
+                    1,
                 ) from None
             rtts.append((time.perf_counter() - t0) * 1000)
             if not args.json:

@@ -8,6 +8,7 @@ failed to load, with the reason; and the L2 adapter types with their failures.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 from typing import Any
@@ -87,8 +88,7 @@ def collect() -> dict[str, Any]:
     l2_types: list[dict[str, Any]] = []
     l2_failed: list[dict[str, str]] = []
     try:
-        from lmcache.v1.distributed.l2_adapters import factory
-
+        factory = importlib.import_module("lmcache.v1.distributed.l2_adapters.factory")
         l2_types = [dict(t) for t in factory.describe_l2_adapter_types()]
         l2_failed = [
             {"name": n, "value": v, "reason": r} for n, v, r in factory.failed_l2_adapter_plugins()

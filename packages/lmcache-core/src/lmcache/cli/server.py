@@ -8,6 +8,7 @@ LMCache 0.5.6 (spec/protocol.md 13). SIGINT/SIGTERM stop it cleanly and unlink i
 from __future__ import annotations
 
 import argparse
+import signal
 import socket
 import sys
 
@@ -67,23 +68,51 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--chunk-size", type=int, default=256, help="tokens per chunk (default 256)")
     g.add_argument("--hash-algorithm", default="blake3", help="token hash: blake3 (default)")
     g.add_argument("--null-block-id", type=int, default=0, help="vLLM's null block id (default 0)")
-    g.add_argument("--max-workers", type=int, default=4, help="default size of both pools (default 4)")
-    g.add_argument("--max-gpu-workers", type=int, default=None, help="affinity pool slots (default --max-workers)")
-    g.add_argument("--max-cpu-workers", type=int, default=None, help="normal pool threads (default --max-workers)")
+    g.add_argument(
+        "--max-workers", type=int, default=4, help="default size of both pools (default 4)"
+    )
+    g.add_argument(
+        "--max-gpu-workers",
+        type=int,
+        default=None,
+        help="affinity pool slots (default --max-workers)",
+    )
+    g.add_argument(
+        "--max-cpu-workers",
+        type=int,
+        default=None,
+        help="normal pool threads (default --max-workers)",
+    )
     g.add_argument(
         "--supported-transfer-mode",
         choices=("lmcache_driven", "engine_driven", "auto"),
         default="auto",
         help="transfer modules to load (default auto = both)",
     )
-    g.add_argument("--worker-reap-timeout-seconds", type=float, default=120.0,
-                   help="reap a pinging worker silent this long (0 disables; default 120)")
-    g.add_argument("--worker-registration-grace-seconds", type=float, default=3600.0,
-                   help="reap a never-pinging worker after this long (default 3600)")
-    g.add_argument("--session-ttl-seconds", type=float, default=600.0,
-                   help="drop a request's session this long after its last use (default 600)")
-    g.add_argument("--separate-object-groups", action="store_true", default=False,
-                   help="one memory object per attention window")
+    g.add_argument(
+        "--worker-reap-timeout-seconds",
+        type=float,
+        default=120.0,
+        help="reap a pinging worker silent this long (0 disables; default 120)",
+    )
+    g.add_argument(
+        "--worker-registration-grace-seconds",
+        type=float,
+        default=3600.0,
+        help="reap a never-pinging worker after this long (default 3600)",
+    )
+    g.add_argument(
+        "--session-ttl-seconds",
+        type=float,
+        default=600.0,
+        help="drop a request's session this long after its last use (default 600)",
+    )
+    g.add_argument(
+        "--separate-object-groups",
+        action="store_true",
+        default=False,
+        help="one memory object per attention window",
+    )
     h = parser.add_argument_group("HTTP admin API and observability")
     h.add_argument("--http-host", default="127.0.0.1", help="HTTP bind host (default 127.0.0.1)")
     h.add_argument("--http-port", type=int, default=8080, help="HTTP port (default 8080)")
@@ -93,9 +122,15 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     h.add_argument("--disable-logging", action="store_true", default=False)
     h.add_argument("--event-bus-queue-size", type=int, default=10000, help="accepted, unused")
     h.add_argument("--metrics-sample-rate", type=float, default=0.01, help="accepted, unused")
-    h.add_argument("--run-script-api-enabled", type=_bool_arg, default=False,
-                   help="never supported: true stops startup")
-    later = parser.add_argument_group("Recognised but not supported yet (a changed value stops startup)")
+    h.add_argument(
+        "--run-script-api-enabled",
+        type=_bool_arg,
+        default=False,
+        help="never supported: true stops startup",
+    )
+    later = parser.add_argument_group(
+        "Recognised but not supported yet (a changed value stops startup)"
+    )
     later.add_argument("--enable-tracing", action="store_true", default=False)
     later.add_argument("--otlp-endpoint", default=None)
     later.add_argument("--trace-level", default=None)
@@ -145,7 +180,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def validate_args(args: argparse.Namespace) -> None:
     """Exit-2 checks of values argparse cannot express (each names the flag and the fix)."""
-    from lmcache.v1.multiprocess.token_hasher import LATER_HASH_ALGORITHMS, SUPPORTED_HASH_ALGORITHMS
+    from lmcache.v1.multiprocess.token_hasher import (
+        LATER_HASH_ALGORITHMS,
+        SUPPORTED_HASH_ALGORITHMS,
+    )
 
     for flag, dest, default in LATER_OPTIONS:
         if getattr(args, dest, default) not in (default, None) or (
@@ -168,8 +206,11 @@ def validate_args(args: argparse.Namespace) -> None:
     ):
         if not 0 <= v <= 65535:
             raise CLIError(f"{flag} must be a TCP port 0..65535 (got {v})")
-    for flag, v in (("--max-workers", args.max_workers), ("--max-gpu-workers", args.max_gpu_workers),
-                    ("--max-cpu-workers", args.max_cpu_workers)):
+    for flag, v in (
+        ("--max-workers", args.max_workers),
+        ("--max-gpu-workers", args.max_gpu_workers),
+        ("--max-cpu-workers", args.max_cpu_workers),
+    ):
         if v is not None and v < 1:
             raise CLIError(f"{flag} must be >= 1 (got {v})")
     for flag, v in (
@@ -247,12 +288,14 @@ def run(args: argparse.Namespace) -> int:
     if args.http_host not in ("127.0.0.1", "localhost", "::1"):
         logger.warning(
             "HTTP admin API binds to %s: it has no authentication, anyone who can reach it can "
-            "clear the cache", args.http_host,
+            "clear the cache",
+            args.http_host,
         )
     if 0 < args.worker_reap_timeout_seconds < 30:
         logger.warning(
             "--worker-reap-timeout-seconds %s is below 3 x the client heartbeat (10 s); healthy "
-            "workers may be reaped", args.worker_reap_timeout_seconds,
+            "workers may be reaped",
+            args.worker_reap_timeout_seconds,
         )
     http_sock = _bind_http(args.http_host, args.http_port)
     try:
@@ -291,7 +334,14 @@ def run(args: argparse.Namespace) -> int:
         app = build_app(runtime)
         config = uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False)
         server = uvicorn.Server(config)
+        # uvicorn re-raises the signal that stopped it once it is done; our handlers only
+        # note it, so the cleanup below (stop RPC, engine, storage, unlink SHM) always runs.
+        stopped_by: list[int] = []
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda s, _f: stopped_by.append(s))
         server.run(sockets=[http_sock])
+        if stopped_by:
+            logger.info("lmcache server stopping (signal %d)", stopped_by[0])
     finally:
         runtime.stop()
         http_sock.close()

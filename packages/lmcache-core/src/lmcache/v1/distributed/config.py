@@ -467,7 +467,19 @@ def parse_args_to_storage_manager_config(args: argparse.Namespace) -> StorageMan
             devdax_path=getattr(args, "l1_devdax_path", None),
         )
         eviction = EvictionConfig(policy, watermark, ratio)
-        primary = L1ManagerConfig(mem, write_ttl_seconds=write_ttl, read_ttl_seconds=read_ttl)
+        gds_path = getattr(args, "gds_l1_path", None)
+        gds = (
+            {
+                "path": gds_path,
+                "use_direct_io": bool(getattr(args, "gds_l1_use_direct_io", False)),
+                "backend": getattr(args, "gds_l1_backend", "auto"),
+            }
+            if gds_path
+            else None
+        )
+        primary = L1ManagerConfig(
+            mem, gds_l1_config=gds, write_ttl_seconds=write_ttl, read_ttl_seconds=read_ttl
+        )
         extra = []
 
     max_in_flight = int(getattr(args, "l2_prefetch_max_in_flight", 8))

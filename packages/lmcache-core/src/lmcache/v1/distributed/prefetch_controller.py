@@ -276,7 +276,10 @@ class PrefetchController:
                         poller.register(slot.fds[2], select.POLLIN)
                 events = poller.poll(POLL_MS)
                 targets: set[tuple[int, str]] = set()
-                for fd, _ev in events:
+                for fd, ev in events:
+                    if ev & select.POLLNVAL:
+                        version = -1  # an adapter closed its fd: rebuild the poll set
+                        continue
                     if fd == self._control.fileno():
                         self._control.consume()
                     elif fd in registered:

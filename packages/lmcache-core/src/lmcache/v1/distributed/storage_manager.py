@@ -78,6 +78,11 @@ class StorageManager:
                     f"L1 type {l1cfg.l1_type} (tag {l1cfg.tag!r}) needs hardware support this "
                     "build does not have (DEVDAX/GDS); use a DRAM --l1-manager"
                 )
+            if l1cfg.memory_config.devdax_path or l1cfg.gds_l1_config:
+                raise ValueError(
+                    "--l1-devdax-path / --gds-l1-path need DEVDAX or GDS support that this build "
+                    "does not have; remove them to use a DRAM L1"
+                )
             l1 = L1Manager(l1cfg)
             self.l1_managers.append(l1)
             ctl = L1EvictionController(l1, cfg.eviction_config_for(l1cfg), eviction_interval_s)

@@ -128,7 +128,10 @@ class StoreController(L1ManagerListener):
                         poller.register(slot.fds[0], select.POLLIN)
                 events = poller.poll(POLL_MS)
                 signalled: set[int] = set()
-                for fd, _ev in events:
+                for fd, ev in events:
+                    if ev & select.POLLNVAL:
+                        version = -1  # an adapter closed its fd: rebuild the poll set
+                        continue
                     if fd == self._wake.fileno():
                         self._wake.consume()
                     elif fd == self._control.fileno():
@@ -142,7 +145,8 @@ class StoreController(L1ManagerListener):
                 if self._stop.is_set():
                     break
                 if not events:
-                    signalled = {i for (i, _t) in list(self._inflight)}
+                    with self._mu:
+                        signalled = {i for (i, _t) in self._inflight}
                 self._collect(signalled)
                 self._route_incoming()
                 self._dispatch()

@@ -218,7 +218,7 @@ class _Poller:
                     client._sock.send_multipart(frames, copy=len(frames[-1]) < 65536)
                 except zmq.ZMQError as exc:
                     client._fail(frames, exc)
-            for sock, ev in events.items():
+            for sock in events:
                 if sock in self._clients:
                     c = self._clients[sock]
                     while True:

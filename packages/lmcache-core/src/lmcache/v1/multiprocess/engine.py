@@ -80,9 +80,7 @@ class _Parker:
     def _run(self) -> None:
         while True:
             with self._cv:
-                while not self._stop and (
-                    not self._heap or self._heap[0][0] > time.monotonic()
-                ):
+                while not self._stop and (not self._heap or self._heap[0][0] > time.monotonic()):
                     wait = self._heap[0][0] - time.monotonic() if self._heap else None
                     self._cv.wait(wait)
                 if self._stop:
@@ -231,7 +229,9 @@ class CacheEngine:
             self._drop_instance(inst_id, reason="shutdown")
 
     # ------------------------------------------------------------------ helpers
-    def _keys(self, hashes: list[bytes], first: int, last: int, key: P.IPCCacheServerKey, ranks) -> list[list[Any]]:
+    def _keys(
+        self, hashes: list[bytes], first: int, last: int, key: P.IPCCacheServerKey, ranks
+    ) -> list[list[Any]]:
         return fan_out_keys(key, hashes, first, last, ranks)
 
     def _validate(self, key: P.IPCCacheServerKey, *, aligned: bool) -> None:
@@ -256,7 +256,9 @@ class CacheEngine:
 
     def _require_mode(self, mode: str) -> None:
         enabled = (
-            self.config.engine_driven_enabled if mode == ENGINE_DRIVEN else self.config.lmcache_driven_enabled
+            self.config.engine_driven_enabled
+            if mode == ENGINE_DRIVEN
+            else self.config.lmcache_driven_enabled
         )
         if not enabled:
             logger.error(
@@ -271,7 +273,9 @@ class CacheEngine:
                 f"{mode} transfers are not enabled on this server; {MODE_FIX}",
             )
 
-    def _layout_acquire(self, key: tuple[str, int], shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    def _layout_acquire(
+        self, key: tuple[str, int], shape: tuple[int, ...], dtype: torch.dtype
+    ) -> None:
         from lmcache.v1.distributed.api import MemoryLayoutDesc
 
         with self._lock:
@@ -280,7 +284,12 @@ class CacheEngine:
                 if lay is not None and lay.refcount > 0:
                     logger.warning(
                         "layout of model %r world_size %d changes from %s %s to %s %s",
-                        key[0], key[1], lay.shape, lay.dtype, shape, dtype,
+                        key[0],
+                        key[1],
+                        lay.shape,
+                        lay.dtype,
+                        shape,
+                        dtype,
                     )
                 desc = MemoryLayoutDesc(shapes=[torch.Size(shape)], dtypes=[dtype])
                 refs = lay.refcount if lay is not None else 0
@@ -295,7 +304,9 @@ class CacheEngine:
                 lay.refcount -= 1  # dormant at 0: lookups keep working across restarts
 
     # ------------------------------------------------------------------ registration
-    def register_engine_driven(self, ctx: RequestContext, payload: P.RegisterEngineDrivenContextPayload):
+    def register_engine_driven(
+        self, ctx: RequestContext, payload: P.RegisterEngineDrivenContextPayload
+    ):
         self._require_mode(ENGINE_DRIVEN)
         dtype = _dtype_from_name(payload.dtype_str)
         slots = payload.num_physical_slots or self.cs
@@ -315,7 +326,12 @@ class CacheEngine:
                 payload.world_size,
                 lkey,
                 strategy=strategy,
-                meta={"block_size": payload.block_size, "use_mla": payload.use_mla, "shape": list(shape), "dtype": _dtype_name(dtype)},
+                meta={
+                    "block_size": payload.block_size,
+                    "use_mla": payload.use_mla,
+                    "shape": list(shape),
+                    "dtype": _dtype_name(dtype),
+                },
             ),
             shape,
             dtype,
@@ -328,7 +344,12 @@ class CacheEngine:
             )
         logger.info(
             "Registered engine-driven instance %d (model=%s, world_size=%d, chunk=%s %s, path=%s)",
-            payload.instance_id, payload.model_name, payload.world_size, shape, _dtype_name(dtype), strategy,
+            payload.instance_id,
+            payload.model_name,
+            payload.world_size,
+            shape,
+            _dtype_name(dtype),
+            strategy,
         )
         return {"shm_name": self.shm_name, "pool_size": self.shm_pool_size}
 
@@ -348,7 +369,9 @@ class CacheEngine:
 
         wrappers = list(kv_cache or [])
         if not wrappers:
-            raise RequestError(ErrorCode.INVALID_ARGUMENT, "register_kv_cache got no KV cache wrappers")
+            raise RequestError(
+                ErrorCode.INVALID_ARGUMENT, "register_kv_cache got no KV cache wrappers"
+            )
         tensors = []
         try:
             for w in wrappers:
@@ -370,12 +393,16 @@ class CacheEngine:
         except Exception as exc:
             _close_all(wrappers)
             logger.error("register_kv_cache for instance %d failed: %s", instance_id, exc)
-            raise RequestError(ErrorCode.INVALID_ARGUMENT, f"cannot open the KV cache: {exc}") from exc
+            raise RequestError(
+                ErrorCode.INVALID_ARGUMENT, f"cannot open the KV cache: {exc}"
+            ) from exc
         cache_context = None
         try:
             from lmcache.v1.platform.cache_context import create_cache_context
 
-            cache_context = create_cache_context(tensors, self.cs, layout_hints or None, engine_group_infos or ())
+            cache_context = create_cache_context(
+                tensors, self.cs, layout_hints or None, engine_group_infos or ()
+            )
         except Exception as exc:  # the copy path only needs the tensors
             logger.debug("no cache context for instance %d: %s", instance_id, exc)
         if self.cs % geo.block_size:
@@ -411,7 +438,11 @@ class CacheEngine:
         )
         logger.info(
             "Registered lmcache-driven instance %d (model=%s, world_size=%d, layers=%d, format=%s)",
-            instance_id, model_name, world_size, geo.num_layers, geo.fmt.name,
+            instance_id,
+            model_name,
+            world_size,
+            geo.num_layers,
+            geo.fmt.name,
         )
         return None
 
@@ -510,7 +541,9 @@ class CacheEngine:
             return None
         job.rows = self._keys(hashes, first, last, key, range(key.world_size))
         try:
-            job.handle = self.storage.submit_lookup(job.rows, lay.desc, key.num_kv_readers, key.request_id)
+            job.handle = self.storage.submit_lookup(
+                job.rows, lay.desc, key.num_kv_readers, key.request_id
+            )
         except Exception as exc:
             logger.error("lookup %s: prefetch submit failed: %s", key.request_id, exc)
             job.complete(0)
@@ -541,8 +574,12 @@ class CacheEngine:
         self.metrics.inc("lmcache_mp_lookup_hit_l2_keys", out.l2_keys)
         if job.rows:
             ranks = len(job.rows)
-            self.metrics.inc("lmcache_mp_lookup_hit_l1_tokens", out.l1_keys * self.cs // max(1, ranks))
-            self.metrics.inc("lmcache_mp_lookup_hit_l2_tokens", out.l2_keys * self.cs // max(1, ranks))
+            self.metrics.inc(
+                "lmcache_mp_lookup_hit_l1_tokens", out.l1_keys * self.cs // max(1, ranks)
+            )
+            self.metrics.inc(
+                "lmcache_mp_lookup_hit_l2_tokens", out.l2_keys * self.cs // max(1, ranks)
+            )
         with session.lock:
             for r, row in enumerate(job.rows):
                 for j in range(hit):
@@ -694,14 +731,17 @@ class CacheEngine:
         self._validate(key, aligned=True)
         if key.worker_id is None:
             raise RequestError(
-                ErrorCode.INVALID_ARGUMENT, "store/retrieve keys need a worker_id (the worker's KV rank)"
+                ErrorCode.INVALID_ARGUMENT,
+                "store/retrieve keys need a worker_id (the worker's KV rank)",
             )
         session = self.sessions.touch(key.request_id)
         hashes = self._hashes(session, key, key.end)
         first, last = key.start // self.cs, key.end // self.cs
         return session, self._keys(hashes, first, last, key, [key.worker_id])[0]
 
-    def _reserve(self, inst: Instance, keys: list[Any], positions_filter: list[bool] | None = None) -> Reservation:
+    def _reserve(
+        self, inst: Instance, keys: list[Any], positions_filter: list[bool] | None = None
+    ) -> Reservation:
         lay = self.layouts[inst.layout_key]
         want = [k for i, k in enumerate(keys) if positions_filter is None or positions_filter[i]]
         out = self.storage.reserve_write(want, lay.desc)
@@ -711,7 +751,9 @@ class CacheEngine:
             _rate_limited_warning(
                 "L1 is full: %d chunk(s) of a store were not cached (L1 %d of %d bytes used); "
                 "raise --l1-size-gb or add an L2 tier",
-                len(out.failed), used, total,
+                len(out.failed),
+                used,
+                total,
             )
         positions = [i for i, k in enumerate(keys) if k in out.objs]
         return Reservation(keys, out.objs, positions, len(out.failed))
@@ -749,7 +791,9 @@ class CacheEngine:
             return {"context": {"encoding": "raw_v1", "chunk_indices": res.positions}}
         return {"context": {}}
 
-    def commit_store(self, ctx: RequestContext, key: P.IPCCacheServerKey, instance_id: int, data: bytes = b""):
+    def commit_store(
+        self, ctx: RequestContext, key: P.IPCCacheServerKey, instance_id: int, data: bytes = b""
+    ):
         inst = self._instance(instance_id, ENGINE_DRIVEN)
         with inst.lock:
             res = inst.reservations.pop((key.request_id, key.start, key.end), None)
@@ -759,7 +803,9 @@ class CacheEngine:
         self.metrics.inc("lmcache_mp_num_finished_stores")
         return ok
 
-    def _commit(self, inst: Instance, key: P.IPCCacheServerKey, res: Reservation, data: bytes) -> bool:
+    def _commit(
+        self, inst: Instance, key: P.IPCCacheServerKey, res: Reservation, data: bytes
+    ) -> bool:
         lay = self.layouts[inst.layout_key]
         try:
             enc = codec.detect_encoding(data)
@@ -767,11 +813,16 @@ class CacheEngine:
             return self._reject(res, exc)
         if enc == codec.ENCODING_EMPTY:
             if inst.strategy != "shm":
-                return self._reject(res, codec.PayloadError("empty_copy", "empty commit_store payload on the copy path"))
+                return self._reject(
+                    res,
+                    codec.PayloadError("empty_copy", "empty commit_store payload on the copy path"),
+                )
             return self._admit(res)
         if inst.strategy == "shm":
             logger.warning(
-                "worker %d could not use SHM '%s'; switching it to the copy path", inst.instance_id, self.shm_name
+                "worker %d could not use SHM '%s'; switching it to the copy path",
+                inst.instance_id,
+                self.shm_name,
             )
             inst.strategy = "copy"
         n = len(res.keys)
@@ -932,7 +983,11 @@ class CacheEngine:
         try:
             if codec_feature(ctx):
                 data = codec.encode_raw_v1([_obj_bytes(o, lay.nbytes) for o in objs])
-                context = {"encoding": "raw_v1", "shape": list(lay.shape), "dtype": _dtype_name(lay.dtype)}
+                context = {
+                    "encoding": "raw_v1",
+                    "shape": list(lay.shape),
+                    "dtype": _dtype_name(lay.dtype),
+                }
             else:
                 data = codec.pickle_tensors([_obj_tensor(o, lay) for o in objs])
                 context = {}
@@ -965,7 +1020,9 @@ class CacheEngine:
         self.storage.clear(bool(force))
         return None
 
-    def report_block_allocation(self, ctx: RequestContext, instance_id=None, model_name=None, records=None):
+    def report_block_allocation(
+        self, ctx: RequestContext, instance_id=None, model_name=None, records=None
+    ):
         self.block_allocation_reports += 1
         self.metrics.inc("lmcache_mp_report_block_allocation")
         return None
@@ -999,7 +1056,10 @@ class CacheEngine:
     def _reap_loop(self) -> None:
         timeouts = [
             t
-            for t in (self.config.worker_reap_timeout_seconds, self.config.worker_registration_grace_seconds)
+            for t in (
+                self.config.worker_reap_timeout_seconds,
+                self.config.worker_registration_grace_seconds,
+            )
             if t > 0
         ]
         if not timeouts or self.config.worker_reap_timeout_seconds <= 0:
@@ -1013,7 +1073,10 @@ class CacheEngine:
 
     def reap_once(self) -> list[int]:
         now = time.monotonic()
-        reap, grace = self.config.worker_reap_timeout_seconds, self.config.worker_registration_grace_seconds
+        reap, grace = (
+            self.config.worker_reap_timeout_seconds,
+            self.config.worker_registration_grace_seconds,
+        )
         victims = []
         with self._lock:
             for inst in self.instances.values():
@@ -1054,7 +1117,11 @@ class CacheEngine:
                 "tracked": len(self.instances),
             },
             "layouts": {
-                f"{m}@{ws}": {"shape": list(lay.shape), "dtype": _dtype_name(lay.dtype), "refcount": lay.refcount}
+                f"{m}@{ws}": {
+                    "shape": list(lay.shape),
+                    "dtype": _dtype_name(lay.dtype),
+                    "refcount": lay.refcount,
+                }
                 for (m, ws), lay in list(self.layouts.items())
             },
         }
@@ -1075,7 +1142,10 @@ def fan_out_keys(
     for r in ranks:
         kv_rank = compute_kv_rank(key.world_size, r)
         rows.append(
-            [ObjectKey(hashes[c], key.model_name, kv_rank, 0, key.cache_salt) for c in range(first, last)]
+            [
+                ObjectKey(hashes[c], key.model_name, kv_rank, 0, key.cache_salt)
+                for c in range(first, last)
+            ]
         )
     return rows
 

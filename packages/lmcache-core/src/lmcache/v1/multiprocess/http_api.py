@@ -47,7 +47,9 @@ def build_app(runtime: Any) -> FastAPI:
     def healthcheck() -> Any:
         if runtime.server.endpoint and runtime.server.accepting:
             return {"status": "healthy"}
-        return Response(status_code=503, content='{"status":"unhealthy"}', media_type="application/json")
+        return Response(
+            status_code=503, content='{"status":"unhealthy"}', media_type="application/json"
+        )
 
     @app.get("/status")
     def status() -> dict[str, Any]:
@@ -108,7 +110,9 @@ def build_app(runtime: Any) -> FastAPI:
         page_token: str | None = None,
     ) -> dict[str, Any]:
         if tier != "l2":
-            raise HTTPException(400, f"tier {tier!r} cannot be listed; only tier=l2 supports listing")
+            raise HTTPException(
+                400, f"tier {tier!r} cannot be listed; only tier=l2 supports listing"
+            )
         adapters = _adapter_objects(runtime)
         if not adapters:
             raise HTTPException(503, "no L2 adapter is configured; start with --l2-adapter")
@@ -121,7 +125,10 @@ def build_app(runtime: Any) -> FastAPI:
             raise HTTPException(501, f"adapter {idx} cannot list its keys")
         page = lister(page_size=page_size, page_token=page_token, model_name=model_name)
         entries = [
-            {"key": vars(e.key) if hasattr(e.key, "__dict__") else e.key, "size_bytes": e.size_bytes}
+            {
+                "key": vars(e.key) if hasattr(e.key, "__dict__") else e.key,
+                "size_bytes": e.size_bytes,
+            }
             for e in page.entries
         ]
         return {
@@ -181,7 +188,11 @@ def build_app(runtime: Any) -> FastAPI:
         ctx = RequestContext(b"http", frozenset(), lambda v: None)
         engine.lookup(ctx, key)
         total = (key.end // engine.cs) * key.world_size
-        prefetches[key.request_id] = {"request_id": key.request_id, "total": total, "ws": key.world_size}
+        prefetches[key.request_id] = {
+            "request_id": key.request_id,
+            "total": total,
+            "ws": key.world_size,
+        }
         return {"id": key.request_id}
 
     @app.get("/cache/prefetches/{pid}")
@@ -218,8 +229,14 @@ def build_app(runtime: Any) -> FastAPI:
         ids = list(body.get("block_ids", []))
         sums = []
         for i in range(0, len(ids), bpc):
-            chunk = gather_paged_kv_to_cpu(inst.kv_caches, ids[i : i + bpc], bpc, inst.layout_hints)[0]
-            sums.append(hashlib.md5(chunk.contiguous().view(-1).view(dtype=_u8()).numpy().tobytes()).hexdigest())
+            chunk = gather_paged_kv_to_cpu(
+                inst.kv_caches, ids[i : i + bpc], bpc, inst.layout_hints
+            )[0]
+            sums.append(
+                hashlib.md5(
+                    chunk.contiguous().view(-1).view(dtype=_u8()).numpy().tobytes()
+                ).hexdigest()
+            )
         return {"checksums": sums}
 
     @app.get("/metrics")
@@ -233,7 +250,9 @@ def build_app(runtime: Any) -> FastAPI:
 
     @app.get("/env")
     def env() -> dict[str, str]:
-        return {k: ("***" if any(m in k.upper() for m in _MASK) else v) for k, v in os.environ.items()}
+        return {
+            k: ("***" if any(m in k.upper() for m in _MASK) else v) for k, v in os.environ.items()
+        }
 
     @app.get("/loglevel")
     def loglevel() -> dict[str, str]:
@@ -241,7 +260,12 @@ def build_app(runtime: Any) -> FastAPI:
 
     @app.get("/threads")
     def threads() -> dict[str, Any]:
-        return {"threads": [{"name": t.name, "daemon": t.daemon, "alive": t.is_alive()} for t in threading.enumerate()]}
+        return {
+            "threads": [
+                {"name": t.name, "daemon": t.daemon, "alive": t.is_alive()}
+                for t in threading.enumerate()
+            ]
+        }
 
     def _periodic() -> list[dict[str, Any]]:
         return [

@@ -208,7 +208,7 @@ class _RestrictedUnpickler(pickle.Unpickler):
             ("collections", "OrderedDict"): _empty_ordered_dict,
         }
 
-    def find_class(self, module: str, name: str):  # noqa: D401 - pickle hook
+    def find_class(self, module: str, name: str):
         fn = self._allowed.get((module, name))
         if fn is None:
             raise PayloadError("pickle_global", f"forbidden global {module}.{name} in pickle")
@@ -238,16 +238,24 @@ def restricted_unpickle_tensors(
     except PayloadError:
         raise
     except Exception as exc:
-        raise PayloadError("pickle_decode", f"undecodable pickle: {type(exc).__name__}: {exc}") from exc
+        raise PayloadError(
+            "pickle_decode", f"undecodable pickle: {type(exc).__name__}: {exc}"
+        ) from exc
     if not isinstance(obj, list) or not all(isinstance(t, torch.Tensor) for t in obj):
-        raise PayloadError("pickle_type", f"pickle top-level is {type(obj).__name__}, not list[Tensor]")
+        raise PayloadError(
+            "pickle_type", f"pickle top-level is {type(obj).__name__}, not list[Tensor]"
+        )
     if expected_count is not None and len(obj) != expected_count:
-        raise PayloadError("pickle_count", f"pickle has {len(obj)} chunks, expected {expected_count}")
+        raise PayloadError(
+            "pickle_count", f"pickle has {len(obj)} chunks, expected {expected_count}"
+        )
     for t in obj:
         if expected_shape is not None and tuple(t.shape) != tuple(expected_shape):
             raise PayloadError(
                 "pickle_shape", f"chunk shape {tuple(t.shape)} differs from {tuple(expected_shape)}"
             )
         if expected_dtype is not None and t.dtype != expected_dtype:
-            raise PayloadError("pickle_dtype", f"chunk dtype {t.dtype} differs from {expected_dtype}")
+            raise PayloadError(
+                "pickle_dtype", f"chunk dtype {t.dtype} differs from {expected_dtype}"
+            )
     return obj

@@ -41,9 +41,7 @@ class ErrorCode(str, enum.Enum):
     SHUTTING_DOWN = "SHUTTING_DOWN"
 
 
-RETRYABLE_CODES = frozenset(
-    {ErrorCode.NOT_REGISTERED, ErrorCode.INTERNAL, ErrorCode.SHUTTING_DOWN}
-)
+RETRYABLE_CODES = frozenset({ErrorCode.NOT_REGISTERED, ErrorCode.INTERNAL, ErrorCode.SHUTTING_DOWN})
 
 
 class RemoteError(Exception):

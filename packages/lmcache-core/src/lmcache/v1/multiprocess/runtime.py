@@ -20,6 +20,7 @@ from lmcache.v1.multiprocess.storage_bridge import StorageBridge
 
 logger = init_logger(__name__)
 
+
 @dataclass
 class ShmDecision:
     name: str = ""

@@ -143,7 +143,9 @@ class MPCacheServer:
         peer = frames[0].bytes
         if len(frames) < 3:
             self._count_error("?", ErrorCode.BAD_REQUEST)
-            logger.error("Bad request from peer %s: %d frames (need uid and op)", peer.hex(), len(frames))
+            logger.error(
+                "Bad request from peer %s: %d frames (need uid and op)", peer.hex(), len(frames)
+            )
             return
         uid_b, op_b = frames[1].bytes, frames[2].bytes
         features = self._features.get(peer, frozenset())
@@ -155,12 +157,22 @@ class MPCacheServer:
             op_val = P.decode(op_b)
             P.decode(uid_b)
         except Exception:
-            self._fail(peer, uid_b, op_b, "?", ErrorCode.BAD_REQUEST, "undecodable uid or op frame", features)
+            self._fail(
+                peer,
+                uid_b,
+                op_b,
+                "?",
+                ErrorCode.BAD_REQUEST,
+                "undecodable uid or op frame",
+                features,
+            )
             return
         spec = P.lookup_op(op_val)
         if spec is None or not spec.supported:
             code = ErrorCode.UNKNOWN_OP if spec is None else ErrorCode.NOT_SUPPORTED
-            if (repr(op_val), peer) not in self._warned_unknown and len(self._warned_unknown) < 10000:
+            if (repr(op_val), peer) not in self._warned_unknown and len(
+                self._warned_unknown
+            ) < 10000:
                 self._warned_unknown.add((repr(op_val), peer))
                 logger.error(
                     "No handler registered: op %r from peer %s is not supported by this server",
@@ -169,7 +181,11 @@ class MPCacheServer:
                 )
             self._count_error(str(op_val), code)
             if P.FEATURE_ERROR_REPLIES in features:
-                reply(P.RemoteError(code.value, f"op {op_val!r} is not supported by this server", False))
+                reply(
+                    P.RemoteError(
+                        code.value, f"op {op_val!r} is not supported by this server", False
+                    )
+                )
             return
         payloads = frames[3:]
         if not spec.min_params <= len(payloads) <= spec.max_params:
@@ -184,12 +200,31 @@ class MPCacheServer:
             )
             return
         try:
-            args = [P.convert_param(p, P.decode(f.buffer)) for p, f in zip(spec.params, payloads, strict=False)]
+            args = [
+                P.convert_param(p, P.decode(f.buffer))
+                for p, f in zip(spec.params, payloads, strict=False)
+            ]
         except (msgspec.ValidationError, msgspec.DecodeError, ValueError, TypeError) as exc:
-            self._fail(peer, uid_b, op_b, spec.name, ErrorCode.BAD_REQUEST, f"bad payload for {spec.name}: {exc}", features)
+            self._fail(
+                peer,
+                uid_b,
+                op_b,
+                spec.name,
+                ErrorCode.BAD_REQUEST,
+                f"bad payload for {spec.name}: {exc}",
+                features,
+            )
             return
         if not self.accepting:
-            self._fail(peer, uid_b, op_b, spec.name, ErrorCode.SHUTTING_DOWN, "server is stopping", features)
+            self._fail(
+                peer,
+                uid_b,
+                op_b,
+                spec.name,
+                ErrorCode.SHUTTING_DOWN,
+                "server is stopping",
+                features,
+            )
             return
         if spec.name == "negotiate_features":
             enabled = frozenset(f for f in args[0] if f in P.SUPPORTED_FEATURES)
@@ -219,7 +254,9 @@ class MPCacheServer:
                 )
         return slot
 
-    def _run(self, spec: P.OpSpec, ctx: RequestContext, args: list[Any], uid_b: bytes, op_b: bytes) -> None:
+    def _run(
+        self, spec: P.OpSpec, ctx: RequestContext, args: list[Any], uid_b: bytes, op_b: bytes
+    ) -> None:
         try:
             result = self.engine.handlers[spec.name](ctx, *args)
         except RequestError as exc:
@@ -228,13 +265,21 @@ class MPCacheServer:
         except Exception as exc:
             logger.exception("Error in blocking handler for %s", spec.name)
             self._fail(
-                ctx.peer, uid_b, op_b, spec.name, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}", ctx.features
+                ctx.peer,
+                uid_b,
+                op_b,
+                spec.name,
+                ErrorCode.INTERNAL,
+                f"{type(exc).__name__}: {exc}",
+                ctx.features,
             )
             return
         if not ctx.deferred:
             ctx.reply(result)
 
-    def _reply(self, peer: bytes, uid_b: bytes, op_b: bytes, value: Any, features: frozenset[str]) -> None:
+    def _reply(
+        self, peer: bytes, uid_b: bytes, op_b: bytes, value: Any, features: frozenset[str]
+    ) -> None:
         frames: list[Any] = [peer, uid_b, op_b]
         if value is not None:
             try:
@@ -243,7 +288,9 @@ class MPCacheServer:
                 logger.exception("cannot encode the reply to %r", op_b)
                 if P.FEATURE_ERROR_REPLIES not in features:
                     return
-                frames.append(P.encode(P.RemoteError("INTERNAL", f"unencodable reply: {exc}", True)))
+                frames.append(
+                    P.encode(P.RemoteError("INTERNAL", f"unencodable reply: {exc}", True))
+                )
         self._post(frames)
 
     def _fail(
@@ -256,7 +303,14 @@ class MPCacheServer:
         message: str,
         features: frozenset[str],
     ) -> None:
-        logger.error("Request failed (op=%s, uid=%r, peer=%s): %s: %s", op_name, uid_b, peer.hex(), code.value, message)
+        logger.error(
+            "Request failed (op=%s, uid=%r, peer=%s): %s: %s",
+            op_name,
+            uid_b,
+            peer.hex(),
+            code.value,
+            message,
+        )
         self._count_error(op_name, code)
         if P.FEATURE_ERROR_REPLIES in features:
             err = P.RemoteError(code.value, message, code in P.RETRYABLE_CODES)

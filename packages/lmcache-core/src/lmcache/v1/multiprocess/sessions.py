@@ -75,7 +75,10 @@ class Session:
         keep = 0
         old = self.token_bytes
         limit = min(len(self.hashes), n_full)
-        while keep < limit and old[keep * step : (keep + 1) * step] == raw[keep * step : (keep + 1) * step]:
+        while (
+            keep < limit
+            and old[keep * step : (keep + 1) * step] == raw[keep * step : (keep + 1) * step]
+        ):
             keep += 1
         hashes = chunk_hashes(None, chunk_size, prefix=self.hashes[:keep], token_bytes=raw)
         if len(raw) >= len(old) or keep < len(self.hashes):

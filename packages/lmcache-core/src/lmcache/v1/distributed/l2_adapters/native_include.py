@@ -1,14 +1,19 @@
 """Location of the native connector framework headers (spec §7.4), for third-party builds::
 
-    from lmcache.v1.distributed.l2_adapters.native_include import get_include
-    # CMake / setup.py: include_dirs=[get_include()]  ->  #include "connector_base.h"
+from lmcache.v1.distributed.l2_adapters.native_include import get_include
+# CMake / setup.py: include_dirs=[get_include()]  ->  #include "connector_base.h"
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-HEADERS = ("connector_base.h", "connector_interface.h", "connector_pybind_utils.h", "connector_types.h")
+HEADERS = (
+    "connector_base.h",
+    "connector_interface.h",
+    "connector_pybind_utils.h",
+    "connector_types.h",
+)
 
 
 def _candidates() -> list[Path]:

@@ -54,7 +54,9 @@ def create_transfer_context(
         return _build_lmcache_driven_context(
             kv_caches, device_type, instance_id=instance_id, req_client=req_client, **kwargs
         )
-    return _build_engine_driven_context(kv_caches, instance_id=instance_id, req_client=req_client, **kwargs)
+    return _build_engine_driven_context(
+        kv_caches, instance_id=instance_id, req_client=req_client, **kwargs
+    )
 
 
 def _build_engine_driven_context(kv_caches: Any, **kwargs: Any) -> Any:
@@ -64,7 +66,9 @@ def _build_engine_driven_context(kv_caches: Any, **kwargs: Any) -> Any:
 
 
 def _build_lmcache_driven_context(kv_caches: Any, device_type: str, **kwargs: Any) -> Any:
-    from lmcache.v1.multiprocess.transfer_context.worker_transfer import LMCacheDrivenTransferContext
+    from lmcache.v1.multiprocess.transfer_context.worker_transfer import (
+        LMCacheDrivenTransferContext,
+    )
     from lmcache.v1.platform import get_device_spec, resolve_kv_wrapper_factory
 
     try:

@@ -105,7 +105,9 @@ class EngineDrivenTransferContext(_BaseContext):
 
     def register(self, model_name: str, world_size: int, engine_group_infos: Any = None) -> None:
         if engine_group_infos is not None and len(engine_group_infos) > 1:
-            raise ValueError("engine-driven transfer does not support multiple KV transfer groups now")
+            raise ValueError(
+                "engine-driven transfer does not support multiple KV transfer groups now"
+            )
         self._prepare_common(model_name, world_size)
         geo = self.geometry
         payload = P.RegisterEngineDrivenContextPayload(
@@ -119,12 +121,16 @@ class EngineDrivenTransferContext(_BaseContext):
             use_mla=geo.kv_size == 1,
             num_physical_slots=self.chunk_size,
         )
-        reply = self.client.call("register_kv_cache_engine_driven_context", payload, timeout=self.timeout)
+        reply = self.client.call(
+            "register_kv_cache_engine_driven_context", payload, timeout=self.timeout
+        )
         shm_name = str((reply or {}).get("shm_name", "") or "")
         pool_size = int((reply or {}).get("pool_size", 0) or 0)
         self._detach()
         if shm_name and pool_size > 0:
-            logger.info("Creating EngineDrivenContextShm (shm_name=%s, pool_size=%d)", shm_name, pool_size)
+            logger.info(
+                "Creating EngineDrivenContextShm (shm_name=%s, pool_size=%d)", shm_name, pool_size
+            )
             try:
                 self._attach(shm_name, pool_size)
                 self.mode = "SHM"
@@ -132,7 +138,9 @@ class EngineDrivenTransferContext(_BaseContext):
                 tail = "raw_v1" if self._raw else "pickle"
                 logger.warning(
                     "Failed to initialize SHM context (shm_name=%s), falling back to %s transport: %s",
-                    shm_name, tail, exc,
+                    shm_name,
+                    tail,
+                    exc,
                 )
         if not self.mode:
             if self._raw:
@@ -142,7 +150,9 @@ class EngineDrivenTransferContext(_BaseContext):
                 logger.info("Creating EngineDrivenContextPickle (pickle transport)")
                 self.mode = "pickle"
         logger.info(
-            "Worker engine-driven context registered (instance_id=%d, mode=%s)", self.instance_id, self.mode
+            "Worker engine-driven context registered (instance_id=%d, mode=%s)",
+            self.instance_id,
+            self.mode,
         )
 
     @property
@@ -191,28 +201,51 @@ class EngineDrivenTransferContext(_BaseContext):
             idx = list(ctx.get("chunk_indices") or [])
             if idx:
                 gather_paged_kv_to_cpu(
-                    self.kv_caches, ids, bpc, self.layout_hints, out=self._slot_views(ctx["slots"]), chunk_indices=idx
+                    self.kv_caches,
+                    ids,
+                    bpc,
+                    self.layout_hints,
+                    out=self._slot_views(ctx["slots"]),
+                    chunk_indices=idx,
                 )
             data = b""
         elif ctx.get("encoding") == "raw_v1":
             idx = list(ctx.get("chunk_indices") or [])
-            got = gather_paged_kv_to_cpu(self.kv_caches, ids, bpc, self.layout_hints, chunk_indices=idx)
+            got = gather_paged_kv_to_cpu(
+                self.kv_caches, ids, bpc, self.layout_hints, chunk_indices=idx
+            )
             chunks: list[Any] = [None] * n
             for i, t in zip(idx, got, strict=True):
                 chunks[i] = t
             data = codec.encode_raw_v1(chunks)
         else:
-            data = codec.pickle_tensors(gather_paged_kv_to_cpu(self.kv_caches, ids, bpc, self.layout_hints))
+            data = codec.pickle_tensors(
+                gather_paged_kv_to_cpu(self.kv_caches, ids, bpc, self.layout_hints)
+            )
         ok = self.client.call("commit_store", key, self.instance_id, data, timeout=self.timeout)
         return MPFuture.resolved(bool(ok), "store")
 
-    def submit_retrieve(self, key: P.IPCCacheServerKey, block_ids: Any, skip_first_n_tokens: int = 0) -> MPFuture:
+    def submit_retrieve(
+        self, key: P.IPCCacheServerKey, block_ids: Any, skip_first_n_tokens: int = 0
+    ) -> MPFuture:
         ids = _flat_ids(block_ids)
         bpc = self.blocks_per_chunk
         n = (key.end - key.start) // self.chunk_size
-        reply = self.client.call("prepare_retrieve", key, self.instance_id, timeout=self.timeout) or {}
+        reply = (
+            self.client.call("prepare_retrieve", key, self.instance_id, timeout=self.timeout) or {}
+        )
         ok = bool(reply.get("success"))
         ctx = reply.get("context") or {}
+        if ok and "slots" in ctx and self._shm_flat is None:
+            # The server believes this worker maps its SHM pool, but attaching failed here:
+            # report a miss (the engine recomputes) instead of reading memory we cannot see.
+            logger.warning(
+                "retrieve of %s: the server offered SHM slots but this worker is on the %s path; "
+                "treating it as a miss",
+                key.request_id,
+                self.mode,
+            )
+            ok = False
         if ok:
             try:
                 if "slots" in ctx:
@@ -228,7 +261,12 @@ class EngineDrivenTransferContext(_BaseContext):
                         reply.get("data", b""), expected_count=n, expected_dtype=self.geometry.dtype
                     )
                 scatter_cpu_to_paged_kv(
-                    self.kv_caches, ids[: n * bpc], chunks, bpc, skip_first_n_tokens, self.layout_hints
+                    self.kv_caches,
+                    ids[: n * bpc],
+                    chunks,
+                    bpc,
+                    skip_first_n_tokens,
+                    self.layout_hints,
                 )
             except (RuntimeError, ValueError, TypeError, IndexError) as exc:
                 logger.error("engine-driven retrieve of %s failed: %s", key.request_id, exc)
@@ -238,7 +276,9 @@ class EngineDrivenTransferContext(_BaseContext):
 
     def unregister(self, timeout: float = 5.0) -> None:
         try:
-            self.client.call("unregister_kv_cache_engine_driven_context", self.instance_id, timeout=timeout)
+            self.client.call(
+                "unregister_kv_cache_engine_driven_context", self.instance_id, timeout=timeout
+            )
         except Exception as exc:
             logger.warning("unregister of instance %d failed: %s", self.instance_id, exc)
 
@@ -274,8 +314,12 @@ class LMCacheDrivenTransferContext(_BaseContext):
         fut = self.client.submit("store", key, self.instance_id, [_flat_ids(block_ids)], b"")
         return _ok_of(fut, "store")
 
-    def submit_retrieve(self, key: P.IPCCacheServerKey, block_ids: Any, skip_first_n_tokens: int = 0) -> MPFuture:
-        fut = self.client.submit("retrieve", key, self.instance_id, [_flat_ids(block_ids)], b"", int(skip_first_n_tokens))
+    def submit_retrieve(
+        self, key: P.IPCCacheServerKey, block_ids: Any, skip_first_n_tokens: int = 0
+    ) -> MPFuture:
+        fut = self.client.submit(
+            "retrieve", key, self.instance_id, [_flat_ids(block_ids)], b"", int(skip_first_n_tokens)
+        )
         return _ok_of(fut, "retrieve")
 
     def unregister(self, timeout: float = 5.0) -> None:
@@ -299,7 +343,9 @@ def _ok_of(fut: MPFuture, op: str) -> MPFuture:
     def done(f: MPFuture) -> None:
         try:
             value = f.result(0)
-            out._set(bool(value[1]) if isinstance(value, list | tuple) and len(value) == 2 else False)
+            out._set(
+                bool(value[1]) if isinstance(value, list | tuple) and len(value) == 2 else False
+            )
         except Exception as exc:
             out._set(exc)
 

@@ -364,7 +364,10 @@ def multi_layer_block_kv_transfer(
     skip = int(skip_prefix_n_blocks)
     if skip < 0:
         raise ValueError(f"skip_prefix_n_blocks={skip_prefix_n_blocks} must be >= 0")
-    objects = list(lmcache_objects_ptrs)
+    if isinstance(lmcache_objects_ptrs, torch.Tensor):  # a tensor of host addresses
+        objects = [int(a) for a in lmcache_objects_ptrs.reshape(-1).tolist()]
+    else:
+        objects = list(lmcache_objects_ptrs)
     paged = paged_buffer_ptrs_tensor
     if (
         isinstance(paged, torch.Tensor)

@@ -96,9 +96,6 @@ class CpuShmTensorWrapper(DeviceIPCWrapper):
         self.handle = shm_name
         self._attached: shared_memory.SharedMemory | None = None
 
-    def _fields(self) -> dict[str, Any]:
-        return {k: v for k, v in vars(self).items() if not k.startswith("_")}
-
     @classmethod
     def wrap(cls, tensor: Any) -> CpuShmTensorWrapper:
         if not isinstance(tensor, torch.Tensor):

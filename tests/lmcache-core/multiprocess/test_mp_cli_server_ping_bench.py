@@ -1,0 +1,132 @@
+"""`lmcache server` flag handling, `lmcache ping` and `lmcache bench server` as real commands."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import httpx
+import pytest
+import torch
+
+from lmcache.v1.multiprocess import protocol as P
+from lmcache.v1.multiprocess.client import MPClient
+
+
+def _lmcache(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "lmcache.cli.main", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--port", "abc"], "--port"),
+        (["--supported-transfer-mode", "gpu_driven"], "--supported-transfer-mode"),
+        (["--enable-tracing"], "option --enable-tracing is not supported by this version of lmcache server"),
+        (["--transport", "grpc"], "option --transport is not supported"),
+        (["--hash-algorithm", "sha256_cbor"], "option --hash-algorithm is not supported"),
+        (["--run-script-api-enabled", "true"], "--run-script-api-enabled"),
+        (["--chunk-size", "0"], "--chunk-size"),
+        (["--l1-size-gb", "-1"], "--l1-size-gb"),
+    ],
+)
+def test_bad_flags_exit_2_with_one_line(args, needle):
+    r = _lmcache("server", *args, "--port", "0", "--http-port", "0") if args[0] != "--port" else _lmcache(
+        "server", *args
+    )
+    assert r.returncode == 2, r.stderr
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and needle in lines[0], r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_ping_alive_and_dead(lmcache_server, free_tcp_port):
+    srv = lmcache_server()
+    r = _lmcache("ping", "--url", srv.rpc_url, "--count", "2", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["alive"] is True and out["chunk_size"] == 256 and out["count"] == 2
+    r = _lmcache("ping", "--url", f"127.0.0.1:{free_tcp_port}", "--timeout", "0.5", "--count", "1")
+    assert r.returncode == 1 and "no reply" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("mode", ["engine_driven", "lmcache_driven"])
+def test_bench_server_verifies_and_reports(lmcache_server, tmp_path, mode):
+    srv = lmcache_server("--shm-name", f"bench{mode[:3]}{tmp_path.name[-6:]}")
+    out = tmp_path / "bench.json"
+    r = _lmcache(
+        "bench", "server", "--rpc-url", srv.rpc_url, "--mode", "cpu", "--transfer-mode", mode,
+        "--kvcache-shape-spec", "(2,96,16,2,16):float16:2", "--start", "256", "--end", "512",
+        "--interval", "256", "--iterations", "3", "--url", srv.http_url, "--format", "json",
+        "--output", str(out), "--no-progress",
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    data = json.loads(out.read_text())
+    m = data["metrics"]
+    assert [x["num_tokens"] for x in m["results"]] == [256, 512]
+    assert all(x["verified"] for x in m["results"])
+    for op in ("cold_store", "warm_retrieve", "cold_lookup", "warm_lookup"):
+        assert f"{op}_p50_ms" in m and f"{op}_p99_ms" in m and op in m
+    assert "gbps" in m["cold_store"] and "gbps" in m["warm_retrieve"]
+
+
+def test_http_prefetch_and_checksums(lmcache_server, mp):
+    srv = lmcache_server()
+    kv = mp.make_kv()
+    c, ctx = mp.worker(srv.rpc_url, kv, mode="lmcache_driven", model="http-m")
+    try:
+        assert ctx.submit_store(mp.key("h", model="http-m"), list(range(1, 33))).result(20)
+        r = httpx.post(
+            srv.http_url + "/cache/prefetches",
+            json={"model_name": "http-m", "world_size": 1, "token_ids": mp.TOKENS},
+        )
+        assert r.status_code == 202
+        pid = r.json()["id"]
+        for _ in range(100):
+            st = httpx.get(srv.http_url + f"/cache/prefetches/{pid}").json()
+            if st["status"] == "completed":
+                break
+        assert st == {"id": pid, "status": "completed", "found": 2, "total": 2}
+        sums = httpx.post(
+            srv.http_url + "/cache/checksums",
+            json={"block_ids": list(range(1, 33)), "chunk_size": 16, "instance_id": ctx.instance_id},
+        ).json()["checksums"]
+        assert len(sums) == 2 and sums[0] != sums[1]
+        # the same blocks give the same checksum; changing one byte changes it
+        again = httpx.post(
+            srv.http_url + "/cache/checksums",
+            json={"block_ids": list(range(1, 17)), "chunk_size": 16, "instance_id": ctx.instance_id},
+        ).json()["checksums"]
+        assert again == sums[:1]
+        with torch.no_grad():
+            kv[0][0, 1, 0, 0, 0] += 1
+        changed = httpx.post(
+            srv.http_url + "/cache/checksums",
+            json={"block_ids": list(range(1, 17)), "chunk_size": 16, "instance_id": ctx.instance_id},
+        ).json()["checksums"]
+        assert changed != sums[:1]
+    finally:
+        ctx.close()
+        c.close()
+
+
+def test_report_block_allocation_and_status_counts(lmcache_server, mp):
+    srv = lmcache_server()
+    with MPClient(srv.rpc_url) as c:
+        rec = [{"req_id": "a", "new_block_ids": [1, 2], "new_token_ids": [3]}]
+        assert c.call("report_block_allocation", 1, "m", rec) is None
+        assert mp.metric(srv, "lmcache_mp_report_block_allocation_total") == 1
+        k = P.IPCCacheServerKey(
+            model_name="m", world_size=1, worker_id=None, token_ids=[1, 2], start=0, end=2,
+            request_id="st", num_kv_readers=1,
+        )
+        c.call("lookup", k, 1)
+        assert mp.status(srv)["active_sessions"] == 1
+        assert c.call("end_session", "st") is None
+        assert mp.status(srv)["active_sessions"] == 0
