@@ -12,7 +12,8 @@
           srv.log()        # everything the server printed so far
           srv.stop()       # optional; returns the exit code
 
-  Defaults: ``--l1-size-gb 0.25`` and ``--worker-reap-timeout-seconds 0`` unless the test
+  ``lmcache_server_module`` is the same factory with module scope (one server shared by
+  a test module). Defaults: ``--l1-size-gb 0.25`` and ``--worker-reap-timeout-seconds 0`` unless the test
   passes its own value of those flags or ``test_defaults=False`` (then only the ports and
   ``--host 127.0.0.1`` are added).
 """

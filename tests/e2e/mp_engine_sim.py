@@ -41,65 +41,80 @@ def block_of(t: torch.Tensor, layout: str, b: int) -> torch.Tensor:
     return t[b] if layout == "MLA" else t[:, b]
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("role", choices=("store", "retrieve"))
-    ap.add_argument("--url", required=True)
-    ap.add_argument("--layout", default="NHD")
-    ap.add_argument("--mode", default="engine_driven")
-    ap.add_argument("--model", default="e2e-model")
-    ap.add_argument("--world-size", type=int, default=1)
-    ap.add_argument("--worker-id", type=int, default=0)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--request-id", default="req")
-    ap.add_argument("--num-tokens", type=int, default=1024)
-    a = ap.parse_args()
-
+def run_one(a: argparse.Namespace, layout: str) -> dict:
     tokens = list(range(10, 10 + a.num_tokens))
     n_blocks = a.num_tokens // BLOCK
     src_ids = list(range(1, 1 + n_blocks))
     dst_ids = list(range(1 + n_blocks, 1 + 2 * n_blocks))
     random.Random(a.seed).shuffle(dst_ids)
-    hints = {"kv_layout": "HND"} if a.layout == "HND" else {}
+    hints = {"kv_layout": "HND"} if layout == "HND" else {}
+    model = f"{a.model}-{layout}"
     client = MPClient(a.url, default_timeout=30)
-    kv = kv_cache(a.layout, a.seed, zeros=a.role == "retrieve")
+    kv = kv_cache(layout, a.seed, zeros=a.role == "retrieve")
     ctx = create_transfer_context(
         kv, instance_id=random.getrandbits(60), req_client=client, mode=a.mode, layout_hints=hints
     )
-    ctx.register(a.model, a.world_size)
+    ctx.register(model, a.world_size)
     key = P.IPCCacheServerKey(
-        model_name=a.model,
+        model_name=model,
         world_size=a.world_size,
         worker_id=a.worker_id,
         token_ids=tokens,
         start=0,
         end=a.num_tokens,
-        request_id=a.request_id,
+        request_id=f"{a.request_id}-{layout}",
         num_kv_readers=1,
     )
     try:
         if a.role == "store":
             ok = ctx.submit_store(key, src_ids).result(60)
-            print(json.dumps({"stored": bool(ok), "mode": ctx.mode}))
-            return 0 if ok else 1
+            return {"layout": layout, "stored": bool(ok), "mode": ctx.mode}
         ok = ctx.submit_retrieve(key, dst_ids).result(60)
-        expected = kv_cache(a.layout, a.seed, zeros=False)
+        expected = kv_cache(layout, a.seed, zeros=False)
         same = all(
-            torch.equal(block_of(e, a.layout, s), block_of(t, a.layout, d))
+            torch.equal(block_of(e, layout, s), block_of(t, layout, d))
             for e, t in zip(expected, kv, strict=True)
             for s, d in zip(src_ids, dst_ids, strict=True)
         )
-        untouched = all(int(block_of(t, a.layout, 0).float().abs().sum()) == 0 for t in kv)
-        print(
-            json.dumps(
-                {"retrieved": bool(ok), "identical": same, "untouched": untouched, "mode": ctx.mode}
-            )
-        )
-        return 0 if ok and same and untouched else 1
+        untouched = all(int(block_of(t, layout, 0).float().abs().sum()) == 0 for t in kv)
+        return {
+            "layout": layout,
+            "retrieved": bool(ok),
+            "identical": same,
+            "untouched": untouched,
+            "mode": ctx.mode,
+        }
     finally:
         ctx.unregister()
         ctx.close()
         client.close()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("role", choices=("store", "retrieve"))
+    ap.add_argument("--url", required=True)
+    ap.add_argument("--layouts", default="NHD", help="comma-separated: NHD,HND,MLA")
+    ap.add_argument("--mode", default="engine_driven")
+    ap.add_argument(
+        "--model", default="e2e-model", help="model name prefix (the layout is appended)"
+    )
+    ap.add_argument("--world-size", type=int, default=1)
+    ap.add_argument("--worker-id", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--request-id", default="req", help="prefix (the layout is appended)")
+    ap.add_argument("--num-tokens", type=int, default=1024)
+    a = ap.parse_args()
+    results = [run_one(a, layout) for layout in a.layouts.split(",")]
+    print(json.dumps(results))
+    ok = all(
+        r.get("stored", True)
+        and r.get("retrieved", True)
+        and r.get("identical", True)
+        and r.get("untouched", True)
+        for r in results
+    )
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -3,13 +3,9 @@ memory objects, adapters built through the registry, and waiting on an adapter's
 
 from __future__ import annotations
 
-import json
 import select
-import subprocess
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -125,76 +121,52 @@ class Recorder:
 
 # --- two `lmcache server` processes sharing one L2 backend ----------------------------------
 
-ENGINE_SIM = Path(__file__).resolve().parents[1] / "e2e" / "mp_engine_sim.py"
+NUM_BLOCKS, BLOCK, LAYERS, HEADS, HEAD_SIZE, NUM_TOKENS = 160, 16, 3, 2, 16, 1024
 
 
-def _engine(url: str, role: str, model: str, **kw: Any) -> dict:
-    """Run the e2e engine simulator (tests/e2e/mp_engine_sim.py) once; returns its JSON line."""
-    args = [sys.executable, str(ENGINE_SIM), role, "--url", url, "--model", model, "--seed", "7"]
-    for k, v in kw.items():
-        args += [f"--{k.replace('_', '-')}", str(v)]
-    p = subprocess.run(args, capture_output=True, text=True, timeout=180)
-    assert p.returncode == 0, f"engine {role} failed:\n{p.stdout}\n{p.stderr[-3000:]}"
-    return json.loads(p.stdout.strip().splitlines()[-1])
+def _kv_cache(seed: int, zeros: bool) -> list[torch.Tensor]:
+    """A paged NHD KV cache per layer: (2, blocks, block_size, heads, head_size)."""
+    g = torch.Generator().manual_seed(seed)
+    shape = (2, NUM_BLOCKS, BLOCK, HEADS, HEAD_SIZE)
+    if zeros:
+        return [torch.zeros(shape, dtype=torch.bfloat16) for _ in range(LAYERS)]
+    return [torch.randn(shape, generator=g).bfloat16() for _ in range(LAYERS)]
 
 
-def _retrieve_in_process(url: str, model: str, request_id: str) -> None:
-    """Register a worker on the server, look the prompt up (L2 prefetch), retrieve it and check
-    every byte against what the storing engine had. Reuses the simulator's KV layout."""
-    import importlib.util
-    import random
+class _Engine:
+    """One engine worker (in this process) registered with one `lmcache server`."""
 
-    import torch
+    def __init__(self, url: str, model: str, kv: list[torch.Tensor]) -> None:
+        import random
 
-    from lmcache.v1.multiprocess import protocol as P
-    from lmcache.v1.multiprocess.client import MPClient
-    from lmcache.v1.multiprocess.transfer_context import create_transfer_context
+        from lmcache.v1.multiprocess.client import MPClient
+        from lmcache.v1.multiprocess.transfer_context import create_transfer_context
 
-    spec = importlib.util.spec_from_file_location("_lmcache_engine_sim", ENGINE_SIM)
-    sim = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sim)
+        self.model = model
+        self.client = MPClient(url, default_timeout=30)
+        self.ctx = create_transfer_context(
+            kv, instance_id=random.getrandbits(60), req_client=self.client
+        )
+        self.ctx.register(model, 1)
 
-    num_tokens = 1024
-    n_blocks = num_tokens // sim.BLOCK
-    src_ids = list(range(1, 1 + n_blocks))
-    dst_ids = list(range(1 + n_blocks, 1 + 2 * n_blocks))
-    client = MPClient(url, default_timeout=30)
-    kv = sim.kv_cache("NHD", 7, zeros=True)
-    ctx = create_transfer_context(kv, instance_id=random.getrandbits(60), req_client=client)
-    ctx.register(model, 1)
-    try:
-        key = P.IPCCacheServerKey(
-            model_name=model,
+    def key(self, request_id: str, worker_id: int | None = 0) -> Any:
+        from lmcache.v1.multiprocess import protocol as P
+
+        return P.IPCCacheServerKey(
+            model_name=self.model,
             world_size=1,
-            worker_id=None,
-            token_ids=list(range(10, 10 + num_tokens)),
+            worker_id=worker_id,
+            token_ids=list(range(10, 10 + NUM_TOKENS)),
             start=0,
-            end=num_tokens,
+            end=NUM_TOKENS,
             request_id=request_id,
             num_kv_readers=1,
         )
-        client.call("lookup", key, 1)
-        hits = client.call("wait_prefetch_status", request_id, 30.0)
-        assert hits == 4, f"expected all 4 chunks from L2, got {hits}"
-        key = P.IPCCacheServerKey(
-            model_name=model,
-            world_size=1,
-            worker_id=0,
-            token_ids=list(range(10, 10 + num_tokens)),
-            start=0,
-            end=num_tokens,
-            request_id=request_id,
-            num_kv_readers=1,
-        )
-        assert ctx.submit_retrieve(key, dst_ids).result(60)
-        expected = sim.kv_cache("NHD", 7, zeros=False)
-        for e, t in zip(expected, kv, strict=True):
-            for src, dst in zip(src_ids, dst_ids, strict=True):
-                assert torch.equal(sim.block_of(e, "NHD", src), sim.block_of(t, "NHD", dst))
-    finally:
-        ctx.unregister()
-        ctx.close()
-        client.close()
+
+    def close(self) -> None:
+        self.ctx.unregister()
+        self.ctx.close()
+        self.client.close()
 
 
 def cross_server_round_trip(
@@ -208,20 +180,35 @@ def cross_server_round_trip(
     Both servers get the same ``--l2-adapter``; ``stored_count()`` reports how many values the
     backend holds, so the test waits for A's write-behind before asking B.
     """
-    if not ENGINE_SIM.is_file():
-        import pytest
-
-        pytest.skip(f"engine simulator not found at {ENGINE_SIM}")
     flags = ("--l2-adapter", adapter_json, "--supported-transfer-mode", "auto")
     a = lmcache_server(*flags)
     b = lmcache_server(*flags)
-    assert _engine(a.rpc_url, "store", model)["stored"] is True
+    n_blocks = NUM_TOKENS // BLOCK
+    src_ids = list(range(1, 1 + n_blocks))
+    dst_ids = list(range(1 + n_blocks, 1 + 2 * n_blocks))[::-1]
+
+    writer = _Engine(a.rpc_url, model, _kv_cache(7, zeros=False))
+    try:
+        assert writer.ctx.submit_store(writer.key("store-a"), src_ids).result(60)
+    finally:
+        writer.close()
     assert wait_until(lambda: stored_count() >= 4, 60), "server A never wrote its chunks to L2"
     time.sleep(0.5)  # let the last write-behind task settle
+
+    kv = _kv_cache(7, zeros=True)
+    reader = _Engine(b.rpc_url, model, kv)
     try:
-        _retrieve_in_process(b.rpc_url, model, f"from-b-{model}")
-    except AssertionError as exc:
-        raise AssertionError(f"{exc}\nserver B log:\n{b.log()[-4000:]}") from None
+        reader.client.call("lookup", reader.key("from-b", worker_id=None), 1)
+        hits = reader.client.call("wait_prefetch_status", "from-b", 30.0)
+        assert hits == 4, f"B found {hits} of 4 chunks in L2:\n{b.log()[-4000:]}"
+        assert reader.ctx.submit_retrieve(reader.key("from-b"), dst_ids).result(60)
+    finally:
+        reader.close()
+    expected = _kv_cache(7, zeros=False)
+    for e, t in zip(expected, kv, strict=True):
+        for src, dst in zip(src_ids, dst_ids, strict=True):
+            assert torch.equal(e[:, src], t[:, dst])
+    assert all(int(t[:, 0].float().abs().sum()) == 0 for t in kv)  # nothing else written
 
 
 class Helpers:

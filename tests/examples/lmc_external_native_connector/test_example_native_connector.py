@@ -74,7 +74,8 @@ def test_factory_returns_the_native_objects(tmp_path):
 
 def test_memory_get_is_size_checked():
     c = ExampleMemoryConnector(1)
-    fid = c.submit_batch_set(["k"], [memoryview(bytearray(b"abcd"))])
+    value = bytearray(b"abcd")  # buffers must outlive their completion
+    fid = c.submit_batch_set(["k"], [memoryview(value)])
     small, right = bytearray(3), bytearray(4)
     gid = c.submit_batch_get(["k", "k"], [memoryview(small), memoryview(right)])
     done = {}

@@ -260,3 +260,28 @@ def test_global_policy_without_capacity_is_gated(caplog):
         assert any("eviction disabled" in r.getMessage() for r in caplog.records)
     finally:
         a.close()
+
+
+def test_arc_reservation_then_creation_is_one_reference():
+    p = ARCEvictionPolicy()
+    p.on_keys_reserved([key(1)])
+    p.on_keys_created([key(1)])
+    assert key(1) in p.t1 and key(1) not in p.t2
+    p.on_keys_reserved([key(2)])
+    p.on_keys_removed([key(2)])  # abandoned reservation
+    assert key(2) not in p.b1 and key(2) not in p.t1
+
+
+def test_aborted_and_expired_reservations_leave_the_policy():
+    l1 = make_l1(8)
+    ctl = L1EvictionController(l1, EvictionConfig("LRU"), interval_s=60)
+    try:
+        l1.reserve_write([key(1), key(2)], [True, True], LAYOUT, "prefetch:1")
+        assert ctl.policy.num_tracked() == 2
+        l1.finish_write_and_delete([key(1), key(2)], "prefetch:1")
+        assert ctl.policy.num_tracked() == 0
+        l1.reserve_write([key(3)], [False], LAYOUT)
+        l1.delete([key(3)], force=True)
+        assert ctl.policy.num_tracked() == 0
+    finally:
+        l1.close()

@@ -174,3 +174,27 @@ def test_rate_bucket_is_deterministic_and_matches_the_formula():
     assert 0.2 < len(a) / len(keys) < 0.3
     assert dropped_positions(fi_config(rate=0.0), keys) == set()
     assert len(dropped_positions(fi_config(rate=1.0), keys)) == len(keys)
+
+
+def test_mock_lists_keys_in_pages():
+    a = MockL2Adapter(MockL2AdapterConfig(1.0, 100.0))
+    try:
+        store(a, [key(i) for i in range(5)])
+        first = a.list_l2_keys(page_size=2)
+        assert len(first.entries) == 2 and first.next_page_token is not None
+        seen = list(first.entries)
+        page = first
+        while page.next_page_token:
+            page = a.list_l2_keys(page_size=2, cursor=page.next_page_token)
+            seen += page.entries
+        assert sorted(e.key.to_object_key().chunk_hash for e in seen) == [
+            key(i).chunk_hash for i in range(5)
+        ]
+        assert all(e.size_bytes == 100 for e in seen)
+        assert a.list_l2_keys(model_name="other").entries == []
+        with pytest.raises(ValueError, match=r"^page_size must be positive \(got 0\)"):
+            a.list_l2_keys(page_size=0)
+        with pytest.raises(ValueError, match="cursor"):
+            a.list_l2_keys(cursor="zz")
+    finally:
+        a.close()

@@ -829,3 +829,95 @@ def test_serde_blocks_are_refused_clearly():
     )
     with pytest.raises(ValueError, match="serde"):
         make_sm([cfg])
+
+
+def test_broken_plugin_at_start_unwinds_everything(tmp_path):
+    import os
+
+    from lmcache.v1.distributed.l2_adapters.plugin_l2_adapter import PluginL2AdapterConfig
+
+    a = ScriptedAdapter()
+    name = f"t_unwind_{os.getpid()}"
+    mem = L1MemoryManagerConfig(16 * 4096, use_lazy=False, shm_name=name)
+    cfg = StorageManagerConfig(
+        L1ManagerConfig(mem),
+        EvictionConfig("LRU"),
+        L2AdaptersConfig([scripted(a), PluginL2AdapterConfig("no_such_plugin_mod", "X")]),
+    )
+    with pytest.raises(ImportError, match=r"^Could not import module 'no_such_plugin_mod'"):
+        StorageManager(cfg)
+    assert a.closed  # the adapter built before the failure was closed
+    assert not os.path.exists(f"/dev/shm/lmcache_l1_pool_{name}")  # and the L1 segment removed
+
+
+def test_broken_plugin_added_at_runtime_leaves_others_working():
+    from lmcache.v1.distributed.l2_adapters.plugin_l2_adapter import PluginL2AdapterConfig
+
+    a = ScriptedAdapter()
+    sm = make_sm([scripted(a)])
+    try:
+        for bad, exc in [
+            (PluginL2AdapterConfig("no_such_plugin_mod", "X"), ImportError),
+            (PluginL2AdapterConfig("json", "loads"), TypeError),
+            (PluginL2AdapterConfig("json", "Missing"), AttributeError),
+        ]:
+            with pytest.raises(exc):
+                sm.add_l2_adapter(bad)
+        assert len(sm.get_l2_adapters()) == 1
+        write(sm, [key(1)])
+        eventually(lambda: key(1) in a.data)
+        sm.delete_l1_keys([key(1)])
+        assert prefetch(sm, spec([key(1)])).hit_cells[0].test(0) is True
+    finally:
+        sm.close()
+
+
+def test_storage_manager_advertises_shm_pool_under_lazy_l1():
+    import os
+
+    name = f"t_adv_{os.getpid()}"
+    mem = L1MemoryManagerConfig(1 << 22, use_lazy=True, init_size_in_bytes=1 << 20, shm_name=name)
+    sm = StorageManager(
+        StorageManagerConfig(L1ManagerConfig(mem), EvictionConfig("LRU")), eviction_interval_s=60
+    )
+    try:
+        assert sm.shm_name == f"lmcache_l1_pool_{name}" and sm.pool_size == 1 << 22
+        assert sm.shm_disabled_reason == ""
+        obj = sm.reserve_write([key(1)], LAYOUT)[key(1)]
+        obj.tensor.fill_(2.5)
+        with open(f"/dev/shm/{sm.shm_name}", "rb") as f:  # what an engine maps
+            f.seek(obj.metadata.address)
+            assert torch.frombuffer(bytearray(f.read(4)), dtype=torch.float32).item() == 2.5
+        assert sm.get_l1_manager().get_l1_memory_desc().stable_registration_size is None
+    finally:
+        sm.close()
+    assert not os.path.exists(f"/dev/shm/lmcache_l1_pool_{name}")
+
+
+def test_abort_prefetch_releases_locks_now_or_when_finished():
+    a = ScriptedAdapter()
+    sm = make_sm([scripted(a)])
+    try:
+        keys = [key(i) for i in range(3)]
+        write(sm, keys)
+        eventually(lambda: len(a.data) == 3)
+        l1 = sm.get_l1_manager()
+        # finished but never collected
+        h = sm.submit_prefetch_task(spec(keys))
+        assert sm.wait_prefetch_status(h, 10)
+        assert all(l1.is_read_locked(k) for k in keys)
+        assert sm.abort_prefetch_task(h) is True
+        assert not any(l1.is_read_locked(k) for k in keys)
+        assert sm.query_prefetch_status(h) is None and sm.abort_prefetch_task(h) is False
+        # aborted while its L2 load is still running
+        sm.delete_l1_keys(keys)
+        a.load_gate.clear()
+        h = sm.submit_prefetch_task(spec(keys))
+        eventually(lambda: a.load_calls)
+        assert sm.abort_prefetch_task(h) is True
+        a.load_gate.set()
+        eventually(lambda: l1.report_status()["read_locked_count"] == 0)
+        eventually(lambda: l1.get_memory_usage()[0] == 0)  # temporary copies freed
+        assert a.locked() == 0 and l1.memcheck()
+    finally:
+        sm.close()

@@ -70,6 +70,7 @@ class ParallelConfig:
 @dataclass
 class CacheConfig:
     block_size: int = 16
+    kv_cache_layout: str | None = None
 
 
 @dataclass
@@ -211,6 +212,7 @@ class ToyModel:
     num_heads: int = 2
     head_size: int = 8
     mla: bool = False
+    hnd: bool = False  # heads before tokens inside a block ([2, NB, NH, BS, HS])
     dtype: torch.dtype = torch.float16
 
     @property
@@ -232,6 +234,8 @@ class ToyModel:
     def new_cache(self, num_blocks: int, block_size: int) -> dict[str, torch.Tensor]:
         if self.mla:
             shape: tuple[int, ...] = (num_blocks, block_size, self.head_size)
+        elif self.hnd:
+            shape = (2, num_blocks, self.num_heads, block_size, self.head_size)
         else:
             shape = (2, num_blocks, block_size, self.num_heads, self.head_size)
         return {
@@ -266,6 +270,9 @@ def write_kv(
         vals = model.kv(tokens, start, end, layer, rank) + offset
         if model.mla:
             t[blk, off] = vals[0]
+        elif model.hnd:
+            t[0, blk, :, off] = vals[0].view(-1, model.num_heads, model.head_size)
+            t[1, blk, :, off] = vals[1].view(-1, model.num_heads, model.head_size)
         else:
             t[0, blk, off] = vals[0].view(-1, model.num_heads, model.head_size)
             t[1, blk, off] = vals[1].view(-1, model.num_heads, model.head_size)
@@ -284,6 +291,15 @@ def read_kv(
     for t in cache.values():
         if model.mla:
             out.append(t[blk, off][None].clone())
+        elif model.hnd:
+            out.append(
+                torch.stack(
+                    [
+                        t[0, blk, :, off].reshape(end - start, -1),
+                        t[1, blk, :, off].reshape(end - start, -1),
+                    ]
+                )
+            )
         else:
             out.append(
                 torch.stack(
@@ -333,14 +349,15 @@ class Engine:
         model_name: str = "harness/toy-model",
         host: str = "tcp://127.0.0.1",
         register: bool = True,
+        kv_layout: str = "NHD",
     ) -> None:
         self.bs = block_size
-        self.model = ToyModel(num_layers=num_layers, mla=mla)
+        self.model = ToyModel(num_layers=num_layers, mla=mla, hnd=kv_layout == "HND")
         self.num_blocks = num_blocks
         self.tp = tp
 
         def cfg(rank: int) -> VllmConfig:
-            return make_vllm_config(
+            c = make_vllm_config(
                 port=port,
                 host=host,
                 tp=tp,
@@ -350,6 +367,8 @@ class Engine:
                 extra=extra,
                 model=model_name,
             )
+            c.cache_config.kv_cache_layout = kv_layout
+            return c
 
         layer_names = [f"model.layers.{i}.attn" for i in range(num_layers)]
         self.kv_cache_config = KVCacheConfig(

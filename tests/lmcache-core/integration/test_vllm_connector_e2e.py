@@ -263,11 +263,12 @@ def test_tp2_and_mla_tp2(server, engines, mla):
     assert_no_locks(server)  # MLA: 2 read shares per key, one consumed by each rank
 
 
-def test_lmcache_driven_mode_on_cpu_shm(server, engines):
-    prompt = tokens(600, seed=30)
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_lmcache_driven_mode_on_cpu_shm(server, engines, layout):
+    prompt = tokens(600, seed=30 + (layout == "HND"))
     extra = {"lmcache.mp.mp_transfer_mode": "lmcache_driven"}
-    store_prompt(engines, prompt, extra=extra)
-    warm = engines(extra=extra)
+    store_prompt(engines, prompt, extra=extra, kv_layout=layout)
+    warm = engines(extra=extra, kv_layout=layout)
     assert warm.workers[0].worker_adapter.ctx.mode == "lmcache_driven"
     warm.add_request("l", prompt)
     warm.run()
@@ -428,6 +429,8 @@ def test_lookup_timeout_reports_a_miss_and_frees_late_locks(lmcache_server, engi
         assert wait_until(
             lambda: e.match_results.get("late", [(None, True)])[-1][0] is not None, step=e.step
         )
+        # the status query is never sent before the lookup's ack (it would read 0 and leak)
+        assert e.scheduler.scheduler_adapter.trackers["late"].status_future is None
     finally:
         os.kill(srv.proc.pid, signal.SIGCONT)
     assert e.match_results["late"][-1] == (0, False)
@@ -436,13 +439,39 @@ def test_lookup_timeout_reports_a_miss_and_frees_late_locks(lmcache_server, engi
     assert_no_locks(srv)
 
 
-def test_engine_driven_through_the_server_shm_pool(lmcache_server, engines):
+def test_engine_driven_through_the_server_shm_pool_with_hnd_layout(lmcache_server, engines):
     srv = lmcache_server("--shm-name", f"conn_shm_{os.getpid()}")
     prompt = tokens(600, seed=50)
-    store_prompt(engines, prompt, port=srv.port)
-    warm = engines(port=srv.port)
+    store_prompt(engines, prompt, port=srv.port, kv_layout="HND")
+    warm = engines(port=srv.port, kv_layout="HND")
     assert warm.workers[0].worker_adapter.ctx.mode == "SHM"
     warm.add_request("s", prompt)
     warm.run()
     assert warm.loaded_ok["s"] == 512
     assert_no_locks(srv)
+
+
+def test_failed_load_reports_load_errors_and_the_request_recomputes(server, engines):
+    prompt = tokens(600, seed=51)
+    store_prompt(engines, prompt)
+    e = engines()
+    req = e.add_request("f", prompt)
+    assert wait_until(lambda: e.scheduler.get_num_new_matched_tokens(req, 0)[0] is not None)
+    # the cached chunks vanish between the lookup and the load
+    r = httpx.post(server.http_url + "/cache/clear", json={"tier": "l1", "force": True}, timeout=10)
+    assert r.status_code == 200
+    e.run()
+    assert e.load_failed == {"f"}  # vLLM was told which blocks did not load...
+    assert e.requests["f"].status == "finished"  # ...recomputed them and finished
+    assert_no_locks(server)
+
+
+def test_chunks_stored_from_nhd_load_into_hnd(server, engines):
+    """The stored chunk layout is canonical: an HND engine reads what an NHD engine wrote."""
+    prompt = tokens(600, seed=52)
+    store_prompt(engines, prompt, kv_layout="NHD")
+    warm = engines(kv_layout="HND")
+    warm.add_request("x", prompt)
+    warm.run()
+    assert warm.loaded_ok["x"] == 512
+    assert_no_locks(server)

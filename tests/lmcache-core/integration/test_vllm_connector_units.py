@@ -267,3 +267,17 @@ def test_instance_ids_are_random_63_bit():
 
     ids = {new_instance_id() for _ in range(50)}
     assert len(ids) == 50 and all(0 <= i < 2**63 for i in ids) and os.getpid() not in ids
+
+
+@pytest.mark.parametrize(
+    "layout,expected",
+    [(None, "NHD"), ("NHD", "NHD"), ("HND", "HND"), ("LBNHC", "NHD"), ("LBHNC", "HND")],
+)
+def test_kv_layout_from_vllm_cache_config(layout, expected):
+    from lmc_vllm_harness import make_vllm_config
+
+    from lmcache.integration.vllm.lmcache_mp_connector import _vllm_kv_layout
+
+    cfg = make_vllm_config(port=1)
+    cfg.cache_config.kv_cache_layout = layout
+    assert _vllm_kv_layout(cfg) == expected

@@ -34,6 +34,21 @@ def srv_shm(lmcache_server_module):
     return lmcache_server_module("--shm-name", f"conf{os.getpid()}")
 
 
+@pytest.fixture(scope="module")
+def srv_short(lmcache_server_module):
+    """Short session TTL and reaping timeouts (2 s), with SHM."""
+    return lmcache_server_module(
+        "--shm-name",
+        f"short{os.getpid()}",
+        "--session-ttl-seconds",
+        "2",
+        "--worker-reap-timeout-seconds",
+        "2",
+        "--worker-registration-grace-seconds",
+        "2",
+    )
+
+
 @pytest.fixture
 def client(srv):
     c = MPClient(srv.rpc_url, default_timeout=20)
@@ -355,8 +370,8 @@ def test_clear_after_free_removes_objects(srv, mp):
         c.close()
 
 
-def test_session_ttl_counts_from_last_use(lmcache_server, mp):
-    srv = lmcache_server("--session-ttl-seconds", "2")
+def test_session_ttl_counts_from_last_use(srv_short, mp):
+    srv = srv_short
     model = _model()
     c, ctx = mp.worker(srv.rpc_url, mp.make_kv(), model=model)
     try:

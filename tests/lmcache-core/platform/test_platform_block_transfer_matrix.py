@@ -178,6 +178,10 @@ def test_validation_errors():
         call(paged, objs, [1], "cpu", 5, sd, CHUNK, 1, 0)
     with pytest.raises(ValueError, match="3 block ids need 2 lmcache objects"):
         call(paged, objs, [1, 2, 3], "cpu", D2H, sd, CHUNK, 1, 0)
+    with pytest.raises(ValueError, match="block id 9 is outside the paged cache's 9 blocks"):
+        call(paged, objs, [1, 9], "cpu", D2H, sd, CHUNK, 1, 0)
+    with pytest.raises(ValueError, match="block id -1 is outside"):
+        call(paged, objs, torch.tensor([-1]), "cpu", H2D, sd, CHUNK, 1, 0)
     with pytest.raises(ValueError, match="unknown engine_kv_format 42"):
         call(paged, objs, [1], "cpu", D2H, sd, CHUNK, 42, 0)
     bad_bs = shape_desc(1, L)

@@ -73,6 +73,21 @@ def _group_block_sizes(vllm_config: Any, kv_cache_config: Any) -> list[int]:
     return sizes or [int(vllm_config.cache_config.block_size)]
 
 
+def _vllm_kv_layout(vllm_config: Any) -> str:
+    """The token/head order inside a KV block: "NHD" (vLLM's default) or "HND".
+
+    Older vLLM names it directly; vLLM 0.33 names a stride permutation whose last three
+    letters are the in-block order (``...NHC`` = tokens before heads, ``...HNC`` = heads first).
+    """
+    raw = getattr(getattr(vllm_config, "cache_config", None), "kv_cache_layout", None) or ""
+    name = str(getattr(raw, "name", raw)).upper()
+    if name in ("NHD", "HND"):
+        return name
+    if name.endswith("HNC"):
+        return "HND"
+    return "NHD"
+
+
 def _block_ids_of(blocks: Any) -> tuple[list[int], ...]:
     """``KVCacheBlocks.get_block_ids()`` (one list per group); tuples/lists pass through."""
     if blocks is None:
@@ -126,7 +141,9 @@ class LMCacheMPConnector(*_BASES):  # type: ignore[misc]
     # Worker-side methods
     # ==============================
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        self._worker().register_kv_caches(kv_caches)
+        worker = self._worker()
+        worker.kv_layout = _vllm_kv_layout(self._vllm_config)
+        worker.register_kv_caches(kv_caches)
 
     def handle_preemptions(self, kv_connector_metadata: Any) -> None:
         if getattr(kv_connector_metadata, "need_flush_before_forward", False):

@@ -94,10 +94,13 @@ class LMCacheMPWorkerAdapter:
         )
         self.chunk_size = self.link.chunk_size
         self.ctx: Any = None
+        # vLLM's paged layout inside a block: "NHD" (default) or "HND"; the connector sets it.
+        self.kv_layout = "NHD"
         self.kv_caches: dict[str, Any] = {}
         self.groups: list[KVGroup] = []
         self._io: dict[str, _RequestIO] = {}
         self._finished_pending: set[str] = set()  # finished by vLLM, stores still running
+        self._forget: set[str] = set()  # finished and reported: dropped once no load runs
         self._load_errors: set[int] = set()
         self._lock = threading.Lock()
 
@@ -133,12 +136,13 @@ class LMCacheMPWorkerAdapter:
     def layout_hints(self) -> dict[str, Any]:
         first = next(iter(self.kv_caches.values()))
         hints: dict[str, Any] = {
-            "kv_layout": "NHD",
+            "kv_layout": self.kv_layout,
             "tokens_per_block": self.groups[0].tokens_per_block,
         }
         shape = tuple(getattr(first, "shape", ()))
         if len(shape) == 5:
-            hints["num_kv_heads"], hints["head_dim"] = int(shape[3]), int(shape[4])
+            heads_dim = 2 if self.kv_layout == "HND" else 3
+            hints["num_kv_heads"], hints["head_dim"] = int(shape[heads_dim]), int(shape[4])
         elif len(shape) == 3:
             hints["num_kv_heads"], hints["head_dim"] = 1, int(shape[2])
         return hints
@@ -296,6 +300,13 @@ class LMCacheMPWorkerAdapter:
         return recving, failed
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """``(finished_sending, finished_recving)`` as vLLM expects them.
+
+        A finished request is reported as sending once all its stores on this worker are
+        done; a request whose stores this worker skipped (an MLA non-writer, degraded mode)
+        as soon as it finishes. Requests that never had a STORE op are not reported: the
+        scheduler answered False in ``request_finished`` and vLLM freed them already.
+        """
         sending, recving, _ = self._collect(finished_req_ids)
         return (sending or None), (recving or None)
 
@@ -308,16 +319,23 @@ class LMCacheMPWorkerAdapter:
             recving, failed = self._poll()
             for rid in finished_req_ids or ():
                 io = self._io.get(rid)
-                if io is not None and io.had_store_op:
+                if io is None:
+                    continue
+                if io.had_store_op:
                     self._finished_pending.add(rid)
                 else:
-                    # No STORE op was ever emitted: the scheduler freed the blocks already.
-                    self._io.pop(rid, None)
+                    # No STORE op was emitted, so request_finished told vLLM to free the
+                    # blocks at once: nothing to report, forget it once no load runs.
+                    self._forget.add(rid)
             sending = {rid for rid in self._finished_pending if not self._io[rid].stores}
             for rid in sending:
                 self._finished_pending.discard(rid)
-                if not self._io[rid].retrieves:
-                    del self._io[rid]
+                self._forget.add(rid)
+            for rid in list(self._forget):
+                io = self._io.get(rid)
+                if io is None or not io.retrieves:
+                    self._io.pop(rid, None)
+                    self._forget.discard(rid)
         return sending, recving, failed
 
     def take_load_errors(self) -> set[int]:

@@ -207,6 +207,7 @@ class ARCEvictionPolicy(EvictionPolicy):
         self.b2: OrderedDict[ObjectKey, None] = OrderedDict()
         self.p = 0.0
         self.capacity = 0
+        self._reserved_only: set[ObjectKey] = set()
 
     def _trim_ghosts(self) -> None:
         c = max(1, self.capacity)
@@ -214,9 +215,22 @@ class ARCEvictionPolicy(EvictionPolicy):
             victim = self.b1 if len(self.b1) >= len(self.b2) and self.b1 else self.b2
             victim.popitem(last=False)
 
+    def on_keys_reserved(self, keys: list[ObjectKey]) -> None:
+        # a reservation is tracked (so an abandoned one can be evicted) but is not an access:
+        # its creation must not count as a second reference
+        with self._lock:
+            for k in reversed(keys):
+                if k not in self.t1 and k not in self.t2:
+                    self.t1[k] = None
+                    self._reserved_only.add(k)
+
     def on_keys_created(self, keys: list[ObjectKey]) -> None:
         with self._lock:
             for k in reversed(keys):
+                if k in self._reserved_only:
+                    self._reserved_only.discard(k)
+                    self.t1.move_to_end(k)
+                    continue
                 if k in self.t1:
                     del self.t1[k]
                     self.t2[k] = None
@@ -237,8 +251,6 @@ class ARCEvictionPolicy(EvictionPolicy):
             self.capacity = max(self.capacity, len(self.t1) + len(self.t2))
             self._trim_ghosts()
 
-    on_keys_reserved = on_keys_created
-
     def on_keys_touched(self, keys: list[ObjectKey]) -> None:
         with self._lock:
             for k in reversed(keys):
@@ -251,6 +263,10 @@ class ARCEvictionPolicy(EvictionPolicy):
     def on_keys_removed(self, keys: list[ObjectKey]) -> None:
         with self._lock:
             for k in keys:
+                if k in self._reserved_only:  # an abandoned reservation leaves no ghost
+                    self._reserved_only.discard(k)
+                    self.t1.pop(k, None)
+                    continue
                 if k in self.t1:
                     del self.t1[k]
                     self.b1[k] = None

@@ -109,6 +109,10 @@ class L1Manager(L1ManagerInterface):
     def _live_staged(self, key: ObjectKey, now: float) -> bool:
         return any(st.deadline > now for st in self._staging.get(key, {}).values())
 
+    def _gone(self, keys: list[ObjectKey]) -> list[ObjectKey]:
+        """Keys that no longer exist at all (neither resident nor staged)."""
+        return [k for k in keys if k not in self._resident and k not in self._staging]
+
     def _remove_resident(self, key: ObjectKey) -> None:
         entry = self._resident.pop(key)
         self._release(entry.obj)
@@ -268,6 +272,9 @@ class L1Manager(L1ManagerInterface):
                 if not st.is_temporary:
                     admitted.append(key)
             self._fire("on_l1_keys_write_finished", admitted)
+            # reservations that expired leave nothing behind: trackers forget them
+            expired = [k for k, e in out.items() if e is L1Error.KEY_IN_WRONG_STATE]
+            self._fire("on_l1_keys_deleted_by_manager", self._gone(expired))
         return out
 
     def finish_write_and_reserve_read(
@@ -309,6 +316,8 @@ class L1Manager(L1ManagerInterface):
                     continue
                 self._release(st.obj)
                 out[key] = L1Error.SUCCESS
+            aborted = [k for k, e in out.items() if e is L1Error.SUCCESS]
+            self._fire("on_l1_keys_deleted_by_manager", self._gone(aborted))
         return out
 
     # --- reads -------------------------------------------------------------------------------------------
@@ -393,7 +402,7 @@ class L1Manager(L1ManagerInterface):
         with self._mu:
             total = 0
             for addr in self._pins:
-                size = self._allocator._am.block_size(addr)
+                size = self._allocator.block_size(addr)
                 total += size or 0
             return total
 
@@ -404,6 +413,7 @@ class L1Manager(L1ManagerInterface):
         with self._mu:
             now = time.monotonic()
             deleted: list[ObjectKey] = []
+            had_staging = [k for k in dict.fromkeys(keys) if k in self._staging]
             for key in keys:
                 self._reclaim_expired_staging(key, now)
                 entry = self._resident.get(key)
@@ -421,6 +431,11 @@ class L1Manager(L1ManagerInterface):
                     self._remove_resident(key)
                     deleted.append(key)
                 out[key] = L1Error.SUCCESS
+            # staging-only keys that were reclaimed or force-deleted are gone too
+            cleared = [
+                k for k in had_staging if out.get(k) in (L1Error.SUCCESS, L1Error.KEY_NOT_EXIST)
+            ]
+            deleted += [k for k in self._gone(cleared) if k not in deleted]
             self._fire("on_l1_keys_deleted_by_manager", deleted)
         return out
 
@@ -496,7 +511,7 @@ class L1Manager(L1ManagerInterface):
             addrs += list(self._deferred)
             if len(addrs) != len(set(addrs)):
                 return False
-            return all(self._allocator._am.block_size(a) is not None for a in addrs)
+            return all(self._allocator.block_size(a) is not None for a in addrs)
 
     def report_status(self) -> dict[str, Any]:
         with self._mu:

@@ -251,14 +251,11 @@ class _Arena:
             return None
 
     def close(self) -> None:
-        # The tensor view keeps the mmap's buffer exported; drop it before closing.
+        # Never munmap explicitly: tensors and memoryviews handed out (possibly still used by
+        # a late adapter thread) keep a reference to the mapping, which is released when the
+        # last of them dies. Closing it here would turn those into dangling pointers.
         self.tensor = None  # type: ignore[assignment]
-        if self._mm is not None:
-            try:
-                self._mm.close()
-            except BufferError:
-                pass  # a MemoryObj still views it; the OS unmaps at exit
-            self._mm = None
+        self._mm = None
         if self._shm_path:
             try:
                 os.unlink(self._shm_path)
@@ -418,6 +415,11 @@ class L1Allocator:
             return self._am.limit - self._am.used >= self._am.round_up(nbytes) * n
 
     # --- info --------------------------------------------------------------------------------------
+
+    def block_size(self, address: int) -> int | None:
+        """Allocated size of the block at ``address`` (None when nothing is allocated there)."""
+        with self._lock:
+            return self._am.block_size(address)
 
     def used_bytes(self) -> int:
         with self._lock:

@@ -62,6 +62,7 @@ class _Request:
     skip_l2: bool
     done: threading.Event = field(default_factory=threading.Event)
     result: PrefetchResult | None = None
+    aborted: bool = False
 
 
 class PrefetchController:
@@ -188,13 +189,44 @@ class PrefetchController:
 
     def _run(self, req: _Request) -> None:
         try:
-            req.result = _RequestRun(self, req).execute()
+            req.result = _all_miss(req.spec) if req.aborted else _RequestRun(self, req).execute()
         except Exception:
             logger.exception("prefetch %d failed; reporting all-miss", req.rid)
             self.stats["aborted"] += 1
             req.result = _all_miss(req.spec)
         logger.debug("prefetch %d done: %d hit keys", req.rid, req.result.num_hit_keys())
-        req.done.set()
+        with self._mu:
+            req.done.set()
+            release = req.aborted
+        if release:
+            self._release_result(req)
+
+    def abort(self, handle: PrefetchHandle) -> bool:
+        """Client abort: the request's locks are released (now, or when it finishes) and its
+        result is dropped. Returns False for an unknown or already collected request."""
+        with self._mu:
+            req = self._requests.pop(handle.prefetch_request_id, None)
+            if req is None:
+                return False
+            req.aborted = True
+            finished = req.done.is_set()
+        self.stats["aborted"] += 1
+        if finished:
+            self._release_result(req)
+        return True
+
+    def _release_result(self, req: _Request) -> None:
+        """Release the read locks a finished request holds on its hit cells."""
+        res, req.result = req.result, _all_miss(req.spec)
+        if res is None or req.spec.lock_mode is LockMode.NO_LOCK:
+            return
+        by_l1: dict[int, list[ObjectKey]] = {}
+        for r, bm in enumerate(res.hit_cells):
+            for c in bm.get_indices_list():
+                owner = res.l1_owners[r][c] if res.l1_owners else 0
+                by_l1.setdefault(max(0, owner), []).append(req.spec.key_groups[r].keys[c])
+        for li, keys in by_l1.items():
+            self.l1s[li].finish_read(keys, req.spec.num_kv_readers)
 
     # --- waiting on adapters ------------------------------------------------------------------------
 

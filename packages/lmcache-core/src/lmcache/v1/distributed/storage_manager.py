@@ -220,6 +220,12 @@ class StorageManager:
         assert self.prefetch_controller is not None
         return self.prefetch_controller.wait(handle, timeout)
 
+    def abort_prefetch_task(self, handle: PrefetchHandle) -> bool:
+        """Drop a prefetch whose result will never be read: its locks are released (at once,
+        or when it finishes). False for an unknown or already collected handle."""
+        assert self.prefetch_controller is not None
+        return self.prefetch_controller.abort(handle)
+
     # --- reads -----------------------------------------------------------------------------------------
 
     @contextlib.contextmanager

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -46,6 +47,7 @@ from lmcache.v1.multiprocess.protocol import RemoteError
 logger = init_logger(__name__)
 
 _PENDING = object()
+_POLLER_IDS = itertools.count()
 
 
 class LMCacheTimeoutError(TimeoutError):
@@ -140,7 +142,8 @@ class _Poller:
         self._stop = False
         self._wake_r = self.ctx.socket(zmq.PAIR)
         self._wake_w = self.ctx.socket(zmq.PAIR)
-        addr = f"inproc://lmcache-client-wake-{id(self)}"
+        # a fresh name each time: a previous poller may still be closing its socket
+        addr = f"inproc://lmcache-client-wake-{os.getpid()}-{next(_POLLER_IDS)}"
         self._wake_r.bind(addr)
         self._wake_w.connect(addr)
         self._wake_lock = threading.Lock()

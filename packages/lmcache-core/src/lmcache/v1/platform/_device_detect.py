@@ -122,20 +122,9 @@ def _builtin_specs() -> list[DeviceSpec]:
     return [CpuDeviceSpec()]
 
 
-_build_lock = threading.RLock()  # one registry build / one detection at a time
-_built: dict[str, Any] = {}
-
-
 @functools.cache
 def _build_backend_registry() -> dict[str, DeviceSpec]:
     """``backend_name -> spec`` in registration order; duplicates keep the first."""
-    with _build_lock:
-        if "registry" not in _built:  # a concurrent first caller may have built it
-            _built["registry"] = _do_build_backend_registry()
-        return _built["registry"]
-
-
-def _do_build_backend_registry() -> dict[str, DeviceSpec]:
     registry: dict[str, DeviceSpec] = {}
     sources: dict[str, BackendSource] = {}
     candidates: list[tuple[DeviceSpec, BackendSource]] = [
@@ -315,11 +304,9 @@ def _detect_device() -> tuple[Any, str, str | None]:
 @functools.cache
 def _detected() -> tuple[Any, str, str | None]:
     global _detection_done
-    with _build_lock:
-        if "detected" not in _built:
-            _built["detected"] = _detect_device()
-            _detection_done = True
-        return _built["detected"]
+    result = _detect_device()
+    _detection_done = True
+    return result
 
 
 @functools.cache
@@ -472,6 +459,4 @@ def reset_caches() -> None:
         _sources.clear()
     with _fallback_lock:
         _fallback_spec.clear()
-    with _build_lock:
-        _built.clear()
     _detection_done = False

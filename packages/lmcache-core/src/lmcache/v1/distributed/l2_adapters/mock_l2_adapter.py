@@ -15,7 +15,7 @@ from typing import Any
 
 from lmcache.lmcache_native import Bitmap
 from lmcache.utils import init_logger
-from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey
+from lmcache.v1.distributed.api import KeyEntry, KeyListPage, MemoryLayoutDesc, ObjectKey
 from lmcache.v1.distributed.internal_api import L1MemoryDesc, L2StoreResult
 from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface, L2TaskId
 from lmcache.v1.distributed.l2_adapters.config import (
@@ -212,6 +212,27 @@ class MockL2Adapter(L2AdapterInterface):
                     removed.append(k)
         if removed:
             self._notify_keys_deleted(removed, sizes)
+
+    def list_l2_keys(
+        self, model_name: str | None = None, page_size: int = 500, cursor: str | None = None
+    ) -> KeyListPage:
+        if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
+            raise ValueError(f"page_size must be positive (got {page_size})")
+        try:
+            start = int(cursor) if cursor else 0
+        except ValueError:
+            raise ValueError(f"invalid cursor {cursor!r}: pass the previous page's token") from None
+        if start < 0:
+            raise ValueError(f"invalid cursor {cursor!r}: pass the previous page's token")
+        with self._mu:
+            items = [
+                (k, len(v))
+                for k, v in self._data.items()
+                if model_name is None or k.model_name == model_name
+            ]
+        page = items[start : start + page_size]
+        nxt = str(start + page_size) if start + page_size < len(items) else None
+        return KeyListPage([KeyEntry(k.to_encoded_object_key(), n) for k, n in page], nxt)
 
     # debug helpers
     def debug_has_key(self, key: ObjectKey) -> bool:

@@ -345,6 +345,13 @@ def _host_view(obj: Any, layout: _Layout, index: int) -> torch.Tensor:
     return _view(t, layout.kv, layout.nl, -1, layout.width, what=f"lmcache object {index}")
 
 
+def _check_block_range(lo: int, hi: int, nb: int) -> None:
+    # Checked on the host so a bad id never reaches a device-side index (a fatal assert).
+    if lo < 0 or hi >= nb:
+        bad = lo if lo < 0 else hi
+        raise ValueError(f"block id {bad} is outside the paged cache's {nb} blocks [0, {nb})")
+
+
 def multi_layer_block_kv_transfer(
     paged_buffer_ptrs_tensor: Any,
     lmcache_objects_ptrs: Any,
@@ -383,10 +390,17 @@ def multi_layer_block_kv_transfer(
         raise ValueError(f"lmcache_chunk_size={chunk} is not a multiple of the block size {bs}")
     bpo = chunk // bs
 
+    nb = int(layout.planes[0].view.shape[0])
     if isinstance(block_ids, torch.Tensor):
-        ids = block_ids.reshape(-1).to(device=layout.device, dtype=torch.long)
+        flat_ids = block_ids.reshape(-1)
+        if flat_ids.device.type == "cpu" and flat_ids.numel():
+            _check_block_range(int(flat_ids.min()), int(flat_ids.max()), nb)
+        ids = flat_ids.to(device=layout.device, dtype=torch.long)
     else:
-        ids = torch.as_tensor(list(block_ids), dtype=torch.long, device=layout.device)
+        id_list = [int(b) for b in block_ids]
+        if id_list:
+            _check_block_range(min(id_list), max(id_list), nb)
+        ids = torch.as_tensor(id_list, dtype=torch.long, device=layout.device)
     n = int(ids.numel())
     if n > len(objects) * bpo:
         raise ValueError(
