@@ -284,3 +284,27 @@ def test_eviction_controller_deletes_fs_keys_including_recovered_ones(
     left = {n for n in os.listdir(tmp_path) if n.endswith(".data")}
     # LRU: the recovered (older) keys went first; the new ones stay.
     assert left == {object_key_to_filename(k) for k in new_keys}
+
+
+def test_keys_of_one_task_run_concurrently(h, adapters, tmp_path, monkeypatch):
+    """fs processes the keys of a task on its worker pool (0.5.6: one after another): each
+    read waits at a two-party barrier, which only a concurrent second read can release."""
+    import threading
+
+    from lmcache.storage.fs import fs_adapter
+
+    a = h.build("fs", base_path=str(tmp_path), num_workers=2)
+    adapters.append(a)
+    keys = [h.key(1), h.key(2)]
+    objs = [h.make_obj(100, seed=1), h.make_obj(100, seed=2)]
+    h.store(a, keys, objs)
+    barrier = threading.Barrier(2, timeout=10)
+    real_read = fs_adapter.read_file_into
+
+    def read_at_barrier(*args, **kwargs):
+        barrier.wait()  # raises BrokenBarrierError (a miss) if the other key never comes
+        return real_read(*args, **kwargs)
+
+    monkeypatch.setattr(fs_adapter, "read_file_into", read_at_barrier)
+    bm = h.load(a, keys, [h.empty_like(o) for o in objs], timeout=30)
+    assert bm.popcount() == 2

@@ -305,3 +305,17 @@ def test_protocol_desync_resets_the_connection(h, adapters, redis_server):
     finally:
         stop.set()
         peer.close()
+
+
+def test_commands_are_pipelined(h, adapters, redis_server, counting_proxy):
+    """64 lookups on one connection: one round trip per key (0.5.6) needs >= 64 reads at the
+    server side; pipelining 16 deep needs about 4."""
+    a = h.build(
+        "resp", host="127.0.0.1", port=counting_proxy.port, num_workers=1, pipeline_depth=16
+    )
+    adapters.append(a)
+    keys = [h.key(i) for i in range(64)]
+    h.store(a, keys, [h.make_obj(64, seed=i) for i in range(64)])
+    before = counting_proxy.client_reads
+    assert h.lookup(a, keys).popcount() == 64
+    assert counting_proxy.client_reads - before < 32

@@ -265,7 +265,7 @@ def test_tp2_and_mla_tp2(server, engines, mla):
 
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 def test_lmcache_driven_mode_on_cpu_shm(server, engines, layout):
-    prompt = tokens(600, seed=30 + (layout == "HND"))
+    prompt = tokens(600, seed=130 + (layout == "HND"))
     extra = {"lmcache.mp.mp_transfer_mode": "lmcache_driven"}
     store_prompt(engines, prompt, extra=extra, kv_layout=layout)
     warm = engines(extra=extra, kv_layout=layout)
