@@ -61,7 +61,7 @@ def install_everything(session: nox.Session, *, editable: bool = False) -> None:
 @nox.session
 def tests(session: nox.Session) -> None:
     install_everything(session)
-    session.install("pytest>=8", "hypothesis>=6", "httpx>=0.24", "moto[server]>=5", "psutil")
+    session.install("pytest>=8", "hypothesis>=6", "httpx>=0.24", "moto[server]>=5", "psutil", "numpy")
     args = session.posargs or ["tests"]
     session.run("python", "-m", "pytest", *args, env={"LMCACHE_TRACK_USAGE": "false"})
 

@@ -16,6 +16,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cerrno>
 #include <climits>
 #include <cstring>
@@ -296,6 +297,9 @@ class RespSocket {
 
 struct RespConnection {
   std::unique_ptr<RespSocket> sock;
+  std::chrono::steady_clock::time_point next_attempt{};
+  std::chrono::milliseconds backoff{50};
+  std::string last_error;
 };
 
 class RespConnector : public connector::ConnectorBase<RespConnection> {
@@ -310,7 +314,9 @@ class RespConnector : public connector::ConnectorBase<RespConnection> {
   RespConnection create_connection() override {
     auto sock = std::make_unique<RespSocket>(opts_, registry_);
     sock->connect();
-    return RespConnection{std::move(sock)};
+    RespConnection conn;
+    conn.sock = std::move(sock);
+    return conn;
   }
 
   // The single-key forms (used by nothing here but required by the framework) go through
@@ -377,9 +383,23 @@ class RespConnector : public connector::ConnectorBase<RespConnection> {
     for (size_t i = 0; i < req.keys.size(); i += depth) fn(i, std::min(depth, req.keys.size() - i));
   }
 
+  // Reconnects after a lost connection, with backoff (50 ms doubling to 5 s) so a dead
+  // server fails tiles at once instead of making each one wait for a connect timeout.
   RespSocket& ensure(RespConnection& c) {
     if (!c.sock) c.sock = std::make_unique<RespSocket>(opts_, registry_);
-    if (!c.sock->connected()) c.sock->connect();  // reconnect after a lost connection
+    if (c.sock->connected()) return *c.sock;
+    const auto now = std::chrono::steady_clock::now();
+    if (now < c.next_attempt)
+      throw std::runtime_error("redis unavailable (reconnect pending): " + c.last_error);
+    try {
+      c.sock->connect();
+    } catch (const std::exception& e) {
+      c.last_error = e.what();
+      c.next_attempt = now + c.backoff;
+      c.backoff = std::min<std::chrono::milliseconds>(c.backoff * 2, std::chrono::seconds(5));
+      throw;
+    }
+    c.backoff = std::chrono::milliseconds(50);
     return *c.sock;
   }
 

@@ -143,13 +143,13 @@ def test_write_ttl_expiry_paths():
 
 
 def test_expired_read_lock_is_reclaimed():
-    l1 = make_l1(read_ttl=0.05)
+    l1 = make_l1(read_ttl=0.5)
     try:
         k = key(1)
         write(l1, [k])
         l1.reserve_read([k])
         assert not l1.is_key_evictable(k)
-        time.sleep(0.08)
+        time.sleep(0.6)
         assert l1.is_key_evictable(k)
         assert l1.delete([k])[k] is S
     finally:

@@ -463,6 +463,11 @@ def test_failed_load_reports_load_errors_and_the_request_recomputes(server, engi
     e.run()
     assert e.load_failed == {"f"}  # vLLM was told which blocks did not load...
     assert e.requests["f"].status == "finished"  # ...recomputed them and finished
+    # the recomputed chunks are stored again (never before they were computed)
+    assert [(r.op.start, r.op.end) for r in ops_of(e, "STORE", "f")] == [(0, 512)]
+    e.add_request("f2", prompt)
+    e.run()
+    assert e.loaded_ok["f2"] == 512
     assert_no_locks(server)
 
 
@@ -474,4 +479,26 @@ def test_chunks_stored_from_nhd_load_into_hnd(server, engines):
     warm.add_request("x", prompt)
     warm.run()
     assert warm.loaded_ok["x"] == 512
+    assert_no_locks(server)
+
+
+def test_not_registered_reply_reregisters_at_once(server, engines):
+    """A server that forgot the worker (NOT_REGISTERED) gets it re-registered, same id."""
+    from lmcache.v1.multiprocess.client import MPClient
+
+    e = engines(extra={"lmcache.mp.heartbeat_interval": "60"})  # recovery must not wait for it
+    adapter = e.workers[0].worker_adapter
+    with MPClient(server.rpc_url) as c:
+        c.call("unregister_kv_cache_engine_driven_context", adapter.instance_id, timeout=5)
+    e.add_request("nr1", tokens(600, seed=53))
+    e.run()  # its store meets NOT_REGISTERED
+    assert wait_until(lambda: adapter.healthy, timeout=20)
+    status = httpx.get(server.http_url + "/status", timeout=5).json()
+    assert adapter.instance_id in {int(i) for i in status["registered_non_cuda_instance_ids"]}
+    prompt = tokens(600, seed=54)
+    e.add_request("nr2", prompt)
+    e.run()
+    e.add_request("nr3", prompt)
+    e.run()
+    assert e.loaded_ok["nr3"] == 512
     assert_no_locks(server)

@@ -53,21 +53,22 @@ def test_bad_flags_exit_2_with_one_line(args, needle, capsys):
     assert "Traceback" not in err
 
 
-def test_ping_alive_and_dead(lmcache_server, free_tcp_port):
-    srv = lmcache_server()
-    r = _lmcache("ping", "--url", srv.rpc_url, "--count", "2", "--json")
-    assert r.returncode == 0, r.stderr
-    out = json.loads(r.stdout.strip().splitlines()[-1])
-    assert out["alive"] is True and out["chunk_size"] == 256 and out["count"] == 2
-    r = _lmcache("ping", "--url", f"127.0.0.1:{free_tcp_port}", "--timeout", "0.5", "--count", "1")
-    assert r.returncode == 1 and "no reply" in r.stderr and "Traceback" not in r.stderr
-
-
 @pytest.fixture(scope="module")
 def bench_srv(lmcache_server_module):
     import os
 
     return lmcache_server_module("--shm-name", f"bench{os.getpid()}")
+
+
+def test_ping_alive_and_dead(bench_srv, free_tcp_port, capsys):
+    from lmcache.cli.main import main
+
+    assert main(["ping", "--url", bench_srv.rpc_url, "--count", "2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["alive"] is True and out["chunk_size"] == 256 and out["count"] == 2
+    code = main(["ping", "--url", f"127.0.0.1:{free_tcp_port}", "--timeout", "0.5", "--count", "1"])
+    err = capsys.readouterr().err
+    assert code == 1 and "no reply" in err and "Traceback" not in err
 
 
 @pytest.mark.parametrize("mode", ["engine_driven", "lmcache_driven"])

@@ -207,7 +207,7 @@ class LMCacheMPConnector(*_BASES):  # type: ignore[misc]
         self._scheduler().on_new_request(request)
 
     def update_connector_output(self, connector_output: Any) -> None:
-        return None  # completion is tracked by vLLM through finished_sending/recving
+        self._scheduler().update_connector_output(connector_output)
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler().request_finished(request), None

@@ -65,6 +65,9 @@ class RequestTracker:
     # [locks_from, lmcache_hit) is still read-locked on the server for us.
     locks_from: int = 0
     locks_held: bool = False
+    # Blocks of the RETRIEVE in flight; a failed load means vLLM recomputes past vllm_hit.
+    loading_blocks: set[int] = field(default_factory=set)
+    load_failed: bool = False
 
     def __post_init__(self) -> None:
         if not self.allocated_block_ids:
@@ -82,8 +85,8 @@ class RequestTracker:
 def _prompt_of(request: Any) -> list[int]:
     toks = getattr(request, "prompt_token_ids", None)
     if toks is None:
-        toks = getattr(request, "all_token_ids", [])
-    return list(toks)
+        toks = getattr(request, "all_token_ids", None)
+    return list(toks or [])
 
 
 class LMCacheMPSchedulerAdapter:
@@ -110,7 +113,7 @@ class LMCacheMPSchedulerAdapter:
         self.hit_alignment = math.lcm(*self.group_block_sizes)
         self.trackers: dict[str, RequestTracker] = {}
         # Trackers that answered (0, False) before their lookup result came; read late, freed.
-        self._abandoned: dict[str, RequestTracker] = {}
+        self._abandoned: list[RequestTracker] = []
         self._new_block_records: list[dict[str, Any]] = []
         self.gpu_block_pool: Any = None
 
@@ -207,17 +210,20 @@ class LMCacheMPSchedulerAdapter:
             t.locks_held = False
 
     def _poll_abandoned(self) -> None:
-        for rid, t in list(self._abandoned.items()):
+        still = []
+        for t in self._abandoned:
             self._advance_lookup(t)
             if t.hit_known:
                 self._free_locks(t, t.lmcache_hit)
-                del self._abandoned[rid]
+            else:
+                still.append(t)
+        self._abandoned = still
 
     def _abandon(self, t: RequestTracker) -> None:
         """Answer a miss now; a result that still arrives gets its locks freed."""
         t.gave_up = True
-        if t.lookup_pending:
-            self._abandoned[t.request_id] = t
+        if t.lookup_pending and all(a is not t for a in self._abandoned):
+            self._abandoned.append(t)
 
     # -- vLLM scheduler calls ------------------------------------------------------
     def on_new_request(self, request: Any) -> None:
@@ -355,6 +361,7 @@ class LMCacheMPSchedulerAdapter:
             ops.append(LMCacheMPRequestMetadata(t.request_id, "RETRIEVE", op, t.cache_salt))
             # The retrieve consumes the locks of [start, end) on every worker.
             t.locks_held = False
+            t.loading_blocks = set(op.all_block_ids())
 
         num_scheduled = getattr(scheduler_output, "num_scheduled_tokens", {}) or {}
         scheduled: list[str] = []
@@ -389,14 +396,13 @@ class LMCacheMPSchedulerAdapter:
         if t.state is not RequestState.READY:
             return None
         tokens = t.tokens()
-        limit = min(
-            len(tokens),
-            self._allocated_tokens(t),
-            t.num_scheduled_tokens + max(t.vllm_hit, t.lmcache_hit),
-        )
+        # Tokens whose KV exists once this step ran: the prefix vLLM had (its own, or
+        # loaded from LMCache unless that load failed) plus everything scheduled since.
+        prefix = t.vllm_hit if t.load_failed else max(t.vllm_hit, t.lmcache_hit)
+        limit = min(len(tokens), self._allocated_tokens(t), t.num_scheduled_tokens + prefix)
         if not self.config.save_decode_cache:
             limit = min(limit, len(t.prompt))
-        start = max(t.num_stored, t.lmcache_hit)
+        start = t.num_stored
         end = chunk_floor(limit, self.chunk_size)
         if end - start < self.chunk_size:
             return None
@@ -415,7 +421,10 @@ class LMCacheMPSchedulerAdapter:
         old = self.trackers.get(rid)
         if old is None:
             return
-        self._free_locks(old, old.lmcache_hit)
+        if old.lookup_pending:
+            self._abandon(old)  # its result still comes; its locks are freed then
+        else:
+            self._free_locks(old, old.lmcache_hit)
         fresh = self._new_tracker(old.request)
         fresh.stored_any = old.stored_any
 
@@ -425,24 +434,43 @@ class LMCacheMPSchedulerAdapter:
             # Counted by the server only; fire and forget.
             self.link.submit("report_block_allocation", None, self.model_name, records)
 
+    def update_connector_output(self, output: Any) -> None:
+        """Note failed loads: vLLM recomputes those tokens, so they are stored again only
+        once computed (and chunks LMCache lost are stored anew)."""
+        invalid = set(getattr(output, "invalid_block_ids", None) or ())
+        done = set(getattr(output, "finished_recving", None) or ())
+        for t in self.trackers.values():
+            if not t.loading_blocks:
+                continue
+            if t.loading_blocks & invalid:
+                t.load_failed = True
+                t.num_stored = min(t.num_stored, chunk_floor(t.vllm_hit, self.chunk_size))
+            if t.request_id in done:
+                t.loading_blocks = set()
+
     def request_finished(self, request: Any) -> bool:
         rid = request.request_id
-        t = self.trackers.pop(rid, None) or self._abandoned.get(rid)
-        self._abandoned.pop(rid, None)
-        if t is None:
+        t = self.trackers.pop(rid, None)
+        mine = [a for a in self._abandoned if a.request_id == rid]
+        self._abandoned = [a for a in self._abandoned if a.request_id != rid]
+        if t is not None and all(a is not t for a in mine):
+            mine.append(t)
+        if not mine:
             return False
         deadline = time.monotonic() + FINISH_WAIT_S
-        while t.lookup_pending and self.healthy and time.monotonic() < deadline:
-            # Let a late lookup/status reply land first, so no handler recreates the session.
-            self._advance_lookup(t)
-            fut = t.status_future if t.status_future is not None else t.lookup_future
-            if not t.hit_known and fut is not None:
-                fut.wait(max(0.0, min(0.05, deadline - time.monotonic())))
-        if t.hit_known:
-            self._free_locks(t, t.lmcache_hit)
+        for x in mine:
+            while x.lookup_pending and self.healthy and time.monotonic() < deadline:
+                # Let a late lookup/status reply land first, so no handler recreates the session.
+                self._advance_lookup(x)
+                fut = x.status_future if x.status_future is not None else x.lookup_future
+                if not x.hit_known and fut is not None:
+                    fut.wait(max(0.0, min(0.05, deadline - time.monotonic())))
+            if x.hit_known:
+                self._free_locks(x, x.lmcache_hit)
         if self.healthy:
+            # Also releases, on the server, any lock share a lookup still holds.
             self.link.submit("end_session", rid)
-        return t.stored_any
+        return t.stored_any if t is not None else False
 
     def reset_cache(self) -> bool:
         if not self.healthy:

@@ -39,6 +39,7 @@ class ServerLink:
         self._on_unhealthy_cb = on_unhealthy
         self._healthy = True
         self._lock = threading.Lock()
+        self._recover_lock = threading.Lock()
         self._heartbeat: HeartbeatThread | None = None
         self.client = MPClient(self.url, default_timeout=config.mq_timeout)
         try:
@@ -90,13 +91,17 @@ class ServerLink:
             self._heartbeat.start()
 
     def mark_unhealthy(self, reason: str) -> None:
-        """Enter degraded mode at once (e.g. a NOT_REGISTERED reply); the heartbeat recovers."""
+        """Degrade at once and start the recovery steps now (e.g. after NOT_REGISTERED).
+
+        If they fail, the heartbeat retries them on its next answered ping.
+        """
         if self._healthy:
             logger.warning("LMCache %s at %s degraded: %s", self.role, self.url, reason)
         self._healthy = False
         hb = self._heartbeat
         if hb is not None:
-            hb.healthy = False  # so the next answered ping runs the recovery steps
+            hb.healthy = False
+        threading.Thread(target=self._came_back, name="lmcache-recover", daemon=True).start()
 
     def _went_unhealthy(self) -> None:
         if self._healthy:
@@ -112,6 +117,8 @@ class ServerLink:
             self._on_unhealthy_cb()
 
     def _came_back(self) -> None:
+        if not self._recover_lock.acquire(blocking=False):
+            return  # a recovery is already running
         try:
             self.recover()
         except Exception as exc:
@@ -122,6 +129,8 @@ class ServerLink:
             if hb is not None:
                 hb.healthy = False  # try again on the next answered ping
             return
+        finally:
+            self._recover_lock.release()
         self._healthy = True
         logger.info("LMCache server at %s is reachable again; %s recovered", self.url, self.role)
 
@@ -142,9 +151,12 @@ class ServerLink:
     def submit(self, op: str, *payloads: Any):
         return self.client.submit(op, *payloads)
 
-    def close(self) -> None:
+    def stop_heartbeat(self) -> None:
         hb, self._heartbeat = self._heartbeat, None
         if hb is not None:
             hb.stop()
             hb.join(timeout=self.config.heartbeat_interval + 1)
+
+    def close(self) -> None:
+        self.stop_heartbeat()
         self.client.close()

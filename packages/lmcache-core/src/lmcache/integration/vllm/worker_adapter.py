@@ -344,6 +344,7 @@ class LMCacheMPWorkerAdapter:
         return errors
 
     def shutdown(self) -> None:
+        self.link.stop_heartbeat()  # no re-registration after this point
         ctx, self.ctx = self.ctx, None
         if ctx is not None:
             try:

@@ -6,6 +6,7 @@ the app; the CLI serves it with uvicorn.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import itertools
 import logging
@@ -120,20 +121,20 @@ def build_app(runtime: Any) -> FastAPI:
         if not 0 <= idx < len(adapters):
             raise HTTPException(400, f"adapter index {idx} out of range (0..{len(adapters) - 1})")
         a = adapters[idx]
-        lister = getattr(a, "list_keys", None)
-        if lister is None:
-            raise HTTPException(501, f"adapter {idx} cannot list its keys")
-        page = lister(page_size=page_size, page_token=page_token, model_name=model_name)
+        try:
+            page = a.list_l2_keys(model_name=model_name, page_size=page_size, cursor=page_token)
+        except NotImplementedError as exc:
+            raise HTTPException(501, str(exc)) from None
         entries = [
             {
-                "key": vars(e.key) if hasattr(e.key, "__dict__") else e.key,
+                "key": dataclasses.asdict(e.key) if dataclasses.is_dataclass(e.key) else e.key,
                 "size_bytes": e.size_bytes,
             }
             for e in page.entries
         ]
         return {
             "adapter": idx,
-            "shared": bool(getattr(a, "shared", False)),
+            "shared": bool(getattr(a, "_shared", False)),
             "entries": entries,
             "next_page_token": page.next_page_token,
         }
@@ -308,17 +309,13 @@ def _n(v: Any) -> int:
 
 
 def _adapter_objects(runtime: Any) -> list[Any]:
-    sm = runtime.storage.sm
-    for attr in ("l2_adapters", "_l2_adapters", "adapters"):
-        a = getattr(sm, attr, None)
-        if a:
-            return list(a.values()) if isinstance(a, dict) else list(a)
-    return []
+    getter = getattr(runtime.storage.sm, "get_l2_adapters", None)
+    return list(getter()) if getter is not None else []
 
 
 def _adapters(runtime: Any) -> list[dict[str, Any]]:
     return [
-        {"index": i, "type": type(a).__name__, "reconfigurable": False}
+        {"index": i, "type": getattr(a, "backend_name", type(a).__name__), "reconfigurable": False}
         for i, a in enumerate(_adapter_objects(runtime))
     ]
 

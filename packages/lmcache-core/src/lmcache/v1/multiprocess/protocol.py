@@ -349,6 +349,21 @@ def decode(data: bytes | memoryview) -> Any:
     return _DECODER.decode(data)
 
 
+_TYPED_DECODERS: dict[Any, msgspec.msgpack.Decoder] = {}
+
+
+def decode_param(param: Param, data: bytes | memoryview) -> Any:
+    """Decode one payload frame straight into the parameter's type (lenient: int<->bool,
+    missing defaults filled, unknown fields ignored); raises msgspec errors on bad input."""
+    if param.type is Any:
+        return _DECODER.decode(data)
+    dec = _TYPED_DECODERS.get(param.type)
+    if dec is None:
+        dec = msgspec.msgpack.Decoder(param.type, strict=False, ext_hook=_ext_hook)
+        _TYPED_DECODERS[param.type] = dec
+    return dec.decode(data)
+
+
 def convert_param(param: Param, value: Any) -> Any:
     """Type a decoded payload value; raises msgspec.ValidationError on a bad value."""
     if param.type is Any:

@@ -201,8 +201,7 @@ class MPCacheServer:
             return
         try:
             args = [
-                P.convert_param(p, P.decode(f.buffer))
-                for p, f in zip(spec.params, payloads, strict=False)
+                P.decode_param(p, f.buffer) for p, f in zip(spec.params, payloads, strict=False)
             ]
         except (msgspec.ValidationError, msgspec.DecodeError, ValueError, TypeError) as exc:
             self._fail(

@@ -13,8 +13,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from lmcache.v1.multiprocess.token_hasher import chunk_hashes, tokens_to_be_bytes
 
 
@@ -69,7 +67,7 @@ class Session:
 
     def hashes_for(self, token_ids: list[int], chunk_size: int) -> list[bytes]:
         """Chunk hashes of ``token_ids``, reusing cached ones only while their tokens match."""
-        raw = tokens_to_be_bytes(np.asarray(token_ids, dtype=np.int64))
+        raw = tokens_to_be_bytes(token_ids)
         n_full = (len(raw) // 4) // chunk_size
         step = chunk_size * 4
         keep = 0

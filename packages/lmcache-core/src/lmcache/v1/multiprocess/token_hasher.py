@@ -6,6 +6,9 @@
 
 from __future__ import annotations
 
+import array
+import sys
+
 import numpy as np
 from blake3 import blake3
 
@@ -24,11 +27,18 @@ def hash_to_bytes(h: bytes | int) -> bytes:
 
 def tokens_to_be_bytes(token_ids: list[int] | np.ndarray) -> bytes:
     """uint32 big-endian bytes of the tokens; ValueError names an out-of-range token."""
-    arr = np.asarray(token_ids, dtype=np.int64)
-    if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= 1 << 32):
-        bad = int(arr.min()) if int(arr.min()) < 0 else int(arr.max())
-        raise ValueError(f"token id {bad} is outside [0, 2^32); token ids must be uint32")
-    return arr.astype(">u4").tobytes()
+    if isinstance(token_ids, np.ndarray):
+        token_ids = token_ids.tolist()
+    try:
+        arr = array.array("I", token_ids)  # 'I' is 4 bytes on every platform we run on
+    except (OverflowError, TypeError):
+        bad = next((t for t in token_ids if not isinstance(t, int) or not 0 <= t < 1 << 32), None)
+        raise ValueError(
+            f"token id {bad!r} is outside [0, 2^32); token ids must be uint32"
+        ) from None
+    if sys.byteorder == "little":
+        arr.byteswap()
+    return arr.tobytes()
 
 
 def chunk_hashes(

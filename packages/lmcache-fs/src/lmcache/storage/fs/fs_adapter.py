@@ -118,14 +118,18 @@ class FSL2Adapter(L2AdapterInterface):
     def _direct_ok(self, obj: Any, n: int) -> bool:
         if not self._cfg.use_odirect:
             return False
-        if obj.data_ptr % self._block == 0 and n % self._block == 0 and n > 0:
+        try:
+            ptr = int(obj.data_ptr)
+        except (AttributeError, NotImplementedError, TypeError):
+            return False  # no stable address: buffered I/O
+        if ptr % self._block == 0 and n % self._block == 0 and n > 0:
             return True
         if not self._odirect_warned:
             self._odirect_warned = True
             logger.warning(
                 "fs: use_odirect is on but a buffer (address %#x, %d bytes) is not aligned to "
                 "%d bytes; using buffered I/O for such buffers (set --l1-align-bytes %d)",
-                obj.data_ptr,
+                ptr,
                 n,
                 self._block,
                 self._block,

@@ -1,0 +1,58 @@
+"""Lookups served from L2 through the server: pending query replies, L2 hits, HTTP listing."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import torch
+
+from lmcache.v1.multiprocess import protocol as P
+
+# ~200 KB/s: loading two 32 KiB chunks back from L2 takes a noticeable moment
+MOCK_L2 = json.dumps({"type": "mock", "max_size_gb": 0.1, "mock_bandwidth_gb": 0.0002})
+
+
+def test_lookup_loads_from_l2_after_l1_is_cleared(lmcache_server, mp):
+    srv = lmcache_server("--l2-adapter", MOCK_L2)
+    model = "l2-model"
+    kv = mp.make_kv()
+    c, ctx = mp.worker(srv.rpc_url, kv, model=model)
+    try:
+        assert ctx.submit_store(mp.key("s", model=model), list(range(1, 33))).result(20)
+        deadline = time.monotonic() + 30
+        while mp.status(srv)["storage_manager"]["l2_adapters"][0]["usage_bytes"] < 2 * 32768:
+            assert time.monotonic() < deadline, "the write-behind store to L2 never finished"
+            time.sleep(0.1)
+        assert c.call("clear", True) is None  # L1 only; L2 keeps the chunks
+        peer = mp.RawPeer(srv.rpc_url)
+        try:
+            rid = "from-l2"
+            assert (
+                peer.request(8, P.to_builtins(mp.key(rid, model=model, worker_id=None)), 1)
+                is not None
+            )
+            frames = peer.request(9, rid)
+            assert len(frames) == 2  # pending: a reply without payload
+        finally:
+            peer.close()
+        assert c.call("wait_prefetch_status", rid, 30.0) == 2
+        assert mp.metric(srv, "lmcache_mp_lookup_hit_l2_keys_total") == 2
+        dest = mp.make_kv(zeros=True)
+        c2, ctx2 = mp.worker(srv.rpc_url, dest, model=model)
+        assert ctx2.submit_retrieve(mp.key(rid, model=model), list(range(1, 33))).result(20)
+        assert all(torch.equal(a[:, 1:33], b[:, 1:33]) for a, b in zip(kv, dest, strict=True))
+        ctx2.close()
+        c2.close()
+        listing = httpx.get(srv.http_url + "/cache/objects", params={"tier": "l2"})
+        if listing.status_code == 200:  # adapters that cannot list answer 501
+            body = listing.json()
+            assert body["adapter"] == 0 and len(body["entries"]) == 2
+        else:
+            assert listing.status_code == 501
+        adapters = httpx.get(srv.http_url + "/config/adapters").json()["adapters"]
+        assert len(adapters) == 1
+    finally:
+        ctx.close()
+        c.close()
