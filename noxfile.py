@@ -61,7 +61,15 @@ def install_everything(session: nox.Session, *, editable: bool = False) -> None:
 @nox.session
 def tests(session: nox.Session) -> None:
     install_everything(session)
-    session.install("pytest>=8", "hypothesis>=6", "httpx>=0.24", "moto[server]>=5", "psutil", "numpy")
+    session.install(
+        "pytest>=8",
+        "hypothesis>=6",
+        "httpx>=0.24",
+        "moto[server]>=5",
+        "psutil",
+        "numpy",
+        "pybind11>=2.12",
+    )
     args = session.posargs or ["tests"]
     session.run("python", "-m", "pytest", *args, env={"LMCACHE_TRACK_USAGE": "false"})
 
@@ -155,7 +163,9 @@ def native(session: nox.Session) -> None:
     """Build and run the C++ connector framework's unit tests (CMake + ctest)."""
     build = ROOT / "build" / "native"
     source = str(ROOT / "native")
-    session.run("cmake", "-S", source, "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", external=True)
+    session.run(
+        "cmake", "-S", source, "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", external=True
+    )
     session.run("cmake", "--build", str(build), external=True)
     session.run("ctest", "--test-dir", str(build), "--output-on-failure", external=True)
     # The Python side of the framework (pybind11 glue) through a compiled test connector.
@@ -288,10 +298,28 @@ def vllm(session: nox.Session) -> None:
     install_torch(session)
     session.install("--no-deps", "vllm==0.33.0")
     session.install(
-        "packaging", "psutil", "pyzmq", "urllib3", "regex", "transformers>=5.16.1,<5.21.0",
-        "cbor2", "aiohttp", "requests", "openai-harmony", "openai", "pillow", "pybase64",
-        "cachetools", "msgspec", "cloudpickle", "uvloop", "py-cpuinfo", "prometheus_client>=0.18.0",
-        "xgrammar==0.2.8", "fastapi[standard]>=0.133.0,<0.137.0", "partial-json-parser",
+        "packaging",
+        "psutil",
+        "pyzmq",
+        "urllib3",
+        "regex",
+        "transformers>=5.16.1,<5.21.0",
+        "cbor2",
+        "aiohttp",
+        "requests",
+        "openai-harmony",
+        "openai",
+        "pillow",
+        "pybase64",
+        "cachetools",
+        "msgspec",
+        "cloudpickle",
+        "uvloop",
+        "py-cpuinfo",
+        "prometheus_client>=0.18.0",
+        "xgrammar==0.2.8",
+        "fastapi[standard]>=0.133.0,<0.137.0",
+        "partial-json-parser",
         "llguidance>=1.7.0,<1.8.0",
     )
     session.install(str(CORE))

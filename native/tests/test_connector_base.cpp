@@ -5,6 +5,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdio>
 #include <cstring>
 #include <functional>
@@ -41,6 +42,21 @@ struct Faults {
   std::atomic<bool> fail_connect{false};
   std::atomic<int> connects{0};
   std::atomic<int> sleep_ms{0};
+  // A set of a key starting with "gated" blocks until the gate opens.
+  std::mutex gate_mu;
+  std::condition_variable gate_cv;
+  bool gate_open = true;
+  void set_gate(bool open) {
+    {
+      std::lock_guard<std::mutex> lock(gate_mu);
+      gate_open = open;
+    }
+    gate_cv.notify_all();
+  }
+  void pass_gate() {
+    std::unique_lock<std::mutex> lock(gate_mu);
+    gate_cv.wait(lock, [&] { return gate_open; });
+  }
 };
 
 struct Conn {
@@ -78,6 +94,7 @@ class FaultyConnector : public ConnectorBase<Conn> {
     maybe_sleep();
     if (key == "throw-int") throw 42;  // not a std::exception
     if (key == "throw-set") throw std::runtime_error("set exploded");
+    if (key.rfind("gated", 0) == 0) faults_.pass_gate();
     std::lock_guard<std::mutex> lock(store_.mu);
     store_.data[key] = std::string(static_cast<const char*>(buf), len);
   }
@@ -318,14 +335,15 @@ static void test_lanes() {
   CHECK(c.worker_count_for_op(Op::BATCH_TILE_EXISTS) == 3);
   CHECK(c.worker_count_for_op(Op::BATCH_TILE_SET) == 2);
   CHECK(c.worker_count_for_op(Op::BATCH_TILE_GET) == 1);
-  // A slow store does not delay lookups on their own lane.
-  f.sleep_ms = 300;
+  // A blocked store does not hold up lookups on their own lane.
+  f.set_gate(false);
   std::vector<std::string> v = {"x", "y"};
-  uint64_t slow = put(c, {"s1", "s2"}, v);
-  f.sleep_ms = 0;
-  Completion ex = wait_for(c, c.submit_batch_exists({"zz"}), 250);
+  uint64_t blocked = put(c, {"gated1", "gated2"}, v);
+  Completion ex = wait_for(c, c.submit_batch_exists({"zz"}));
   CHECK(ex.future_id != 0 && ex.ok);
-  CHECK(wait_for(c, slow).ok);
+  CHECK(g_seen.count(blocked) == 0);  // still blocked while the lookup completed
+  f.set_gate(true);
+  CHECK(wait_for(c, blocked).ok);
 }
 
 static void test_constructor_errors() {
