@@ -886,6 +886,7 @@ class CacheEngine:
             if res.objs:
                 lay = self.layouts[inst.layout_key]
                 outs = [_obj_tensor(res.objs[keys[i]], lay) for i in res.positions]
+                t0 = time.perf_counter()
                 gather_paged_kv_to_cpu(
                     inst.kv_caches,
                     ids[: len(keys) * bpc],
@@ -894,6 +895,7 @@ class CacheEngine:
                     out=outs,
                     chunk_indices=res.positions,
                 )
+                self._observe_gbps("lmcache_mp_l0_l1_store_throughput", len(outs) * lay.nbytes, t0)
         except Exception as exc:
             logger.error("store for instance %d failed: %s", instance_id, exc)
             self.storage.abort_write(list(res.objs))
@@ -930,6 +932,7 @@ class CacheEngine:
                 self.metrics.inc("lmcache_mp_l1_read_failure_chunks", len(keys))
                 return (b"", False)
             lay = self.layouts[inst.layout_key]
+            t0 = time.perf_counter()
             scatter_cpu_to_paged_kv(
                 inst.kv_caches,
                 ids[: len(keys) * bpc],
@@ -938,6 +941,7 @@ class CacheEngine:
                 skip_first_n_tokens,
                 layout_hints=inst.layout_hints,
             )
+            self._observe_gbps("lmcache_mp_l0_l1_load_throughput", len(keys) * lay.nbytes, t0)
             self.metrics.inc("lmcache_mp_l1_read_chunks", len(keys))
             self.metrics.inc("lmcache_mp_num_chunks_loaded", len(keys))
             self.metrics.inc("lmcache_mp_num_finished_retrieves")
@@ -1014,6 +1018,11 @@ class CacheEngine:
                 pass
             return False
         return inst.strategy != "shm"
+
+    def _observe_gbps(self, name: str, nbytes: int, t0: float) -> None:
+        dt = time.perf_counter() - t0
+        if dt > 0 and nbytes:
+            self.metrics.observe(name, nbytes / dt / 1e9)
 
     # ------------------------------------------------------------------ maintenance
     def clear(self, ctx: RequestContext, force: bool = False):

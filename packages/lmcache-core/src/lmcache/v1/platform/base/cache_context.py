@@ -273,3 +273,120 @@ class BaseCacheContext(abc.ABC):
                     if held is event:
                         del self._held_events[i]
                         break
+
+
+class TorchCacheContext(BaseCacheContext):
+    """The torch-tensor implementation shared by core's contexts (CPU SHM, CUDA/HIP).
+
+    Opens the worker's IPC wrappers, groups the layers, and keeps the block-id buffer,
+    the layer-pointer tables and the per-batch temporary chunk buffers on the KV device,
+    allocated once. Subclasses say which device the layers must be on
+    (``_kv_device``) and provide ``stream``.
+    """
+
+    MAX_BATCH: ClassVar[int] = 4
+
+    def __init__(
+        self,
+        kv_caches: list[Any],
+        lmcache_tokens_per_chunk: int = 256,
+        layout_hints: Any = None,
+        engine_group_infos: Any = (),
+        engine_type: Any = "vllm",
+        separate_object_groups: bool = False,
+        full_sw_kv: bool = False,
+    ) -> None:
+        import torch
+
+        from lmcache.v1.platform.base.ipc_wrapper import DeviceIPCWrapper
+
+        if not kv_caches:
+            raise ValueError(f"{type(self).__name__} requires a non-empty kv_caches list")
+        self._wrappers: list[DeviceIPCWrapper] = []
+        tensors: list[Any] = []
+        for layer in kv_caches:
+            if isinstance(layer, DeviceIPCWrapper):
+                self._wrappers.append(layer)
+                tensors.append(layer.to_tensor())
+            else:
+                tensors.append(layer)
+        device = self._kv_device([t[0] if isinstance(t, (tuple, list)) else t for t in tensors])
+        manager = KVLayerGroupsManager.build(
+            tensors, layout_hints, engine_group_infos, separate_object_groups
+        )
+        capacity = max((int(kg.shape_desc.nb) for kg in manager.kernel_groups), default=0)
+        super().__init__(
+            kv_caches=tensors,
+            device=device,
+            num_layers=len(tensors),
+            kv_layer_groups_manager=manager,
+            block_ids_buffer=torch.zeros(max(capacity, 1), dtype=torch.long, device=device),
+            lmcache_tokens_per_chunk=lmcache_tokens_per_chunk,
+        )
+        self.engine_type = engine_type
+        self.full_sw_kv = bool(full_sw_kv)
+        self._temp: dict[tuple[int, int], Any] = {}
+        self._pointers: dict[int, Any] = {}
+
+    @abc.abstractmethod
+    def _kv_device(self, first_tensors: list[Any]) -> Any:
+        """The one device of every layer (first tensor of each); ValueError otherwise."""
+
+    @property
+    def cupy_stream(self) -> Any:
+        return None  # no cupy dependency; kernels take stream handles directly
+
+    @property
+    def max_batch_size(self) -> int:
+        return self.MAX_BATCH
+
+    def close(self) -> None:
+        self._temp.clear()
+        self._pointers.clear()
+        self._kv_caches = []
+        for w in self._wrappers:
+            w.close()
+        self._wrappers = []
+
+    def get_kernel_group_kv_pointers(self, kg: KernelGroup) -> Any:
+        ptrs = self._pointers.get(kg.group_id)
+        if ptrs is None:
+            import torch
+
+            values = []
+            for layer in self.kernel_group_layers(kg):
+                t = layer[0] if isinstance(layer, (tuple, list)) else layer
+                values.append(t.data_ptr())
+            ptrs = torch.tensor(values, dtype=torch.int64, device=self.device)
+            self._pointers[kg.group_id] = ptrs
+        return ptrs
+
+    def get_temp_object_group_buffer(self, batch_idx: int, og: ObjectGroup) -> Any:
+        if not 0 <= batch_idx < self.MAX_BATCH:
+            raise ValueError(f"batch_idx={batch_idx} outside [0, {self.MAX_BATCH})")
+        key = (batch_idx, og.group_id)
+        buf = self._temp.get(key)
+        if buf is None:
+            import torch
+
+            nbytes = og.bytes_per_token() * self.lmcache_tokens_per_chunk
+            buf = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
+            self._temp[key] = buf
+        return buf
+
+    def get_temp_kernel_group_buffer(self, batch_idx: int, kg: KernelGroup) -> Any:
+        og = self.object_groups[kg.object_group]
+        flat = self.get_temp_object_group_buffer(batch_idx, og)
+        tokens = self.lmcache_tokens_per_chunk
+        off = og.kernel_group_offset(kg, tokens)
+        shape, dtype = self.get_kernel_group_shape_dtype(tokens, kg)
+        n = kg.bytes_per_token() * tokens
+        return flat[off : off + n].view(dtype).view(shape)
+
+    def get_kernel_group_shape_dtype(self, num_tokens: int, kg: KernelGroup) -> tuple[Any, Any]:
+        import torch
+
+        return torch.Size([kg.kv_size, kg.num_layers, int(num_tokens), kg.hidden_dim]), kg.dtype
+
+    def cache_size_per_token(self) -> int:
+        return sum(kg.bytes_per_token() for kg in self.kernel_groups)
