@@ -19,3 +19,19 @@ def test_records_reach_the_lmcache_root(caplog):
     with caplog.at_level(logging.INFO, logger="lmcache"):
         logger.info("hello %s", "world")
     assert "hello world" in caplog.text
+
+
+def test_nvtx_annotate_is_transparent_without_cuda():
+    from lmcache.utils import _lmcache_nvtx_annotate
+
+    @_lmcache_nvtx_annotate
+    def add(a, b):
+        return a + b
+
+    @_lmcache_nvtx_annotate(name="named")
+    def mul(a, b):
+        return a * b
+
+    assert add(2, 3) == 5
+    assert mul(2, 3) == 6
+    assert add.__name__ == "add"
