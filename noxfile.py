@@ -105,6 +105,7 @@ def wheels(session: nox.Session) -> None:
         whl = wheel_for(path)
         session.install("--no-deps", whl)
         session.run("python", "-c", IMPORT_CHECK, path.name)
+        session.run("python", "-c", LISTED_CHECK, path.name)
         session.run("python", "-m", "pip", "uninstall", "-y", path.name)
     # All together: any subset must coexist in one environment.
     session.install("--no-deps", *[wheel_for(p) for p in package_dirs()[1:]])
@@ -133,6 +134,24 @@ for f in files:
 for m in sorted(mods):
     importlib.import_module(m)
 print(f"{dist}: imported {', '.join(sorted(mods))}")
+"""
+
+
+# Checks that `lmcache plugins --json` lists every backend/L2 type the distribution registers.
+LISTED_CHECK = r"""
+import importlib.metadata as md, json, subprocess, sys
+dist = sys.argv[1]
+groups = {"lmcache.device_plugins": "device_backends", "lmcache.l2_adapters": "l2_adapter_types"}
+report = json.loads(subprocess.run(["lmcache", "plugins", "--json"], check=True,
+                                   capture_output=True, text=True).stdout)
+for ep in md.distribution(dist).entry_points:
+    if ep.group not in groups:
+        continue
+    listed = [e for e in report[groups[ep.group]] if e.get("distribution") == dist]
+    if not listed:
+        raise SystemExit(f"{dist}: entry point {ep.name} ({ep.group}) is not listed by lmcache plugins")
+    for entry in listed:
+        print(f"{dist}: lists {entry['name']}" + (f" (available={entry['available']})" if "available" in entry else ""))
 """
 
 

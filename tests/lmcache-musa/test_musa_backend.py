@@ -143,16 +143,16 @@ def test_pin_backend_registers_through_musart(fake_musa):
 
     class Runtime:
         def musaHostRegister(self, ptr, size, flags):
-            calls.append(("reg", ptr.value, size, flags))
+            calls.append(("reg", ptr, size, flags))
             return 0 if size < 100 else 2
 
         def musaHostUnregister(self, ptr):
-            calls.append(("unreg", ptr.value))
+            calls.append(("unreg", ptr))
             return 0
 
     backend = spec._pin_backend()
     assert isinstance(backend, MusaPinMemoryBackend)
-    backend._lib = Runtime()
+    backend._rt = Runtime()
     assert spec.pin_memory(4096, 64) is True
     assert spec.pin_memory(4096, 128) is False  # runtime error code -> False, no raise
     assert spec.unpin_memory(4096) is True

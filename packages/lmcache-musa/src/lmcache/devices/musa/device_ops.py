@@ -15,8 +15,8 @@ from typing import Any, ClassVar
 from lmcache.utils import init_logger
 from lmcache.v1.platform import torch_ops
 from lmcache.v1.platform.base.device_ops import DeviceOps
-from lmcache.v1.platform.cuda_family.device_ops import host_pieces
-from lmcache.v1.platform.ops_types import EngineKVFormat, TransferDirection, to_engine_kv_format
+from lmcache.v1.platform.cuda_family.device_ops import pointer_memcpy_async
+from lmcache.v1.platform.ops_types import EngineKVFormat, to_engine_kv_format
 
 logger = init_logger(__name__)
 
@@ -84,21 +84,16 @@ class MusaDeviceOps(DeviceOps):
             return torch_ops.lmcache_memcpy_async(
                 dest, src, nbytes, direction, host_buffer_offset, host_buffer_alignments
             )
-        import torch
-
-        pieces = host_pieces(host_buffer_offset, int(nbytes), host_buffer_alignments)
-        d = TransferDirection(int(direction))
-        host, dev_ptr = (src, dest) if d == TransferDirection.H2D else (dest, src)
-        device = self._current_device()
-        # Stream-ordered: copy_ runs on the current stream; each piece stays inside one
-        # pin registration of the host allocator.
-        for off, length in pieces:
-            host_view = torch_ops.host_tensor_from_ptr(host + off, (length,), torch.uint8)
-            dev_view = self.tensor_from_ptr(dev_ptr + off, (length,), torch.uint8, device)
-            if d == TransferDirection.H2D:
-                dev_view.copy_(host_view, non_blocking=True)
-            else:
-                host_view.copy_(dev_view, non_blocking=True)
+        pointer_memcpy_async(
+            self.tensor_from_ptr,
+            dest,
+            src,
+            nbytes,
+            direction,
+            host_buffer_offset,
+            host_buffer_alignments,
+            self._current_device,
+        )
 
     # ---- stream-ordered recorders ------------------------------------------------------
     def _wait_stream(self, handle: int) -> None:

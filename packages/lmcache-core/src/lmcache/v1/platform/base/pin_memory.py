@@ -2,6 +2,14 @@
 
 from __future__ import annotations
 
+import ctypes
+from typing import Any, ClassVar
+
+from lmcache.utils import init_logger
+from lmcache.v1.platform.base.runtime_lib import load_first_library
+
+logger = init_logger(__name__)
+
 
 class PinMemoryBackend:
     """Base backend: pinning unsupported, every call answers False."""
@@ -15,3 +23,76 @@ class PinMemoryBackend:
     @property
     def is_pin_supported(self) -> bool:
         return False
+
+
+class HostRegisterPinMemoryBackend(PinMemoryBackend):
+    """Pinning through a vendor runtime's ``<x>HostRegister(ptr, size, flags)`` and
+    ``<x>HostUnregister(ptr)`` (0 = success), loaded lazily with ctypes.
+
+    Subclasses name the library candidates and the two symbols. A missing runtime or a
+    failing call answers False with a WARNING; nothing raises.
+    """
+
+    library_names: ClassVar[tuple[str, ...]] = ()
+    runtime_name: ClassVar[str] = ""  # for messages, e.g. "CUDA runtime"
+    register_symbol: ClassVar[str] = ""
+    unregister_symbol: ClassVar[str] = ""
+
+    def __init__(self) -> None:
+        self._rt: Any = None
+
+    def _load_runtime(self) -> Any:
+        """An object with the two symbols as callables taking plain ints."""
+        lib = load_first_library(
+            self.library_names, self.runtime_name, (self.register_symbol, self.unregister_symbol)
+        )
+        register = getattr(lib, self.register_symbol)
+        register.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
+        register.restype = ctypes.c_int
+        unregister = getattr(lib, self.unregister_symbol)
+        unregister.argtypes = [ctypes.c_void_p]
+        unregister.restype = ctypes.c_int
+        return lib
+
+    def _runtime(self) -> Any:
+        if self._rt is None:
+            self._rt = self._load_runtime()
+        return self._rt
+
+    def _clear_error(self, runtime: Any) -> None:
+        """Called after a failed call; runtimes with sticky errors reset them here."""
+
+    @property
+    def is_pin_supported(self) -> bool:
+        try:
+            self._runtime()
+        except OSError:
+            return False
+        return True
+
+    def pin_memory(self, ptr: int, size: int, flags: int = 0) -> bool:
+        name = self.register_symbol
+        try:
+            runtime = self._runtime()
+            err = getattr(runtime, name)(ptr, size, flags)
+        except Exception as exc:
+            logger.warning("%s(%#x, %d) unavailable: %s", name, ptr, size, exc)
+            return False
+        if int(err) != 0:
+            self._clear_error(runtime)
+            logger.warning("%s(%#x, %d) failed with error %s", name, ptr, size, err)
+            return False
+        return True
+
+    def unpin_memory(self, ptr: int) -> bool:
+        name = self.unregister_symbol
+        try:
+            runtime = self._runtime()
+            err = getattr(runtime, name)(ptr)
+        except Exception as exc:
+            logger.warning("%s(%#x) unavailable: %s", name, ptr, exc)
+            return False
+        if int(err) != 0:
+            self._clear_error(runtime)
+            return False
+        return True

@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import ctypes
 import importlib
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 from lmcache.utils import init_logger
 from lmcache.v1.platform import torch_ops
 from lmcache.v1.platform.base.device_ops import DeviceOps
+from lmcache.v1.platform.base.runtime_lib import load_first_library
 from lmcache.v1.platform.ops_types import TransferDirection
 
 logger = init_logger(__name__)
@@ -43,6 +45,35 @@ def host_pieces(host_offset: int, nbytes: int, alignment: int) -> list[tuple[int
         pieces.append((done, length))
         done += length
     return pieces
+
+
+def pointer_memcpy_async(
+    tensor_from_ptr: Callable[..., Any],
+    dest: int,
+    src: int,
+    nbytes: int,
+    direction: Any,
+    host_buffer_offset: int,
+    host_buffer_alignments: int,
+    current_device: Callable[[], Any],
+) -> None:
+    """Pointer mode of ``lmcache_memcpy_async`` for backends whose device memory torch
+    can view: stream-ordered ``copy_`` of each ``host_pieces`` piece, so a piece never
+    spans two pin registrations of the host allocator. ``tensor_from_ptr`` is the
+    backend's device-address view, ``current_device`` its active device."""
+    import torch
+
+    pieces = host_pieces(host_buffer_offset, int(nbytes), host_buffer_alignments)
+    d = TransferDirection(int(direction))
+    host, dev = (src, dest) if d == TransferDirection.H2D else (dest, src)
+    device = current_device()
+    for off, length in pieces:
+        host_view = torch_ops.host_tensor_from_ptr(host + off, (length,), torch.uint8)
+        dev_view = tensor_from_ptr(dev + off, (length,), torch.uint8, device)
+        if d == TransferDirection.H2D:
+            dev_view.copy_(host_view, non_blocking=True)
+        else:
+            host_view.copy_(dev_view, non_blocking=True)
 
 
 class _ArrayInterface:
@@ -140,19 +171,16 @@ class CudaFamilyDeviceOps(DeviceOps):
             return torch_ops.lmcache_memcpy_async(
                 dest, src, nbytes, direction, host_buffer_offset, host_buffer_alignments
             )
-        import torch
-
-        pieces = host_pieces(host_buffer_offset, nbytes, host_buffer_alignments)
-        d = TransferDirection(int(direction))
-        host, dev = (src, dest) if d == TransferDirection.H2D else (dest, src)
-        device = self._active_device()
-        for off, length in pieces:
-            host_view = torch_ops.host_tensor_from_ptr(host + off, (length,), torch.uint8)
-            dev_view = self.tensor_from_ptr(dev + off, (length,), torch.uint8, device)
-            if d == TransferDirection.H2D:
-                dev_view.copy_(host_view, non_blocking=True)
-            else:
-                host_view.copy_(dev_view, non_blocking=True)
+        pointer_memcpy_async(
+            self.tensor_from_ptr,
+            dest,
+            src,
+            nbytes,
+            direction,
+            host_buffer_offset,
+            host_buffer_alignments,
+            self._active_device,
+        )
 
     def _active_device(self) -> Any:
         import torch
@@ -167,19 +195,13 @@ def _runtime_memcpy(names: tuple[str, ...], symbol: str) -> Any:
     key = (names, symbol)
     fn = _RUNTIME_MEMCPY.get(key)
     if fn is None:
-        last: Exception | None = None
-        for name in names:
-            try:
-                lib = ctypes.CDLL(name)
-                fn = getattr(lib, symbol)
-                break
-            except (OSError, AttributeError) as exc:
-                last = exc
-        if fn is None:
+        try:
+            lib = load_first_library(names, "GPU runtime", (symbol,))
+        except OSError as exc:
             raise RuntimeError(
-                f"tensor_from_ptr: no GPU runtime library ({', '.join(names)}) to copy from a "
-                f"raw device pointer: {last}"
-            )
+                f"tensor_from_ptr: cannot copy from a raw device pointer: {exc}"
+            ) from None
+        fn = getattr(lib, symbol)
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         _RUNTIME_MEMCPY[key] = fn
