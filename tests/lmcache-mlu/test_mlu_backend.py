@@ -403,19 +403,9 @@ def test_wheel_metadata_and_explicit_capabilities():
     """Depends on lmcache-core and on torch only as a range; both flags and the default
     mode are overridden explicitly (no reliance on the base-class bridge)."""
     from lmcache.devices.mlu import MluDeviceSpec
-    from lmcache.v1.platform.base.device_spec import overrides
+    from lmcache.v1.platform.testing import check_device_wheel_contract
 
-    requires = md.requires("lmcache-mlu") or []
-    assert any(r.split(";")[0].strip() == "lmcache-core" for r in requires), requires
-    torch_reqs = [r for r in requires if r.startswith("torch")]
-    assert torch_reqs and all("==" not in r for r in torch_reqs), torch_reqs
-    spec = MluDeviceSpec()
-    for name in (
-        "is_lmcache_driven_available",
-        "is_handle_transfer_available",
-        "default_mp_transfer_mode",
-    ):
-        assert overrides(spec, name), name
+    check_device_wheel_contract("lmcache-mlu", MluDeviceSpec())
 
 
 @pytest.mark.parametrize(

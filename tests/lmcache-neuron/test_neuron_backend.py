@@ -13,7 +13,7 @@ import torch
 from lmcache.v1.platform import torch_ops
 from lmcache.v1.platform.base.device_ops import DeviceOps
 from lmcache.v1.platform.ops_types import PageBufferShapeDesc, TransferDirection
-from lmcache.v1.platform.testing import install_fake_device
+from lmcache.v1.platform.testing import check_canonical_block_transfer, install_fake_device
 from lmcache.v1.platform.transfer_mode import MPTransferMode, effective_default_mode
 
 
@@ -139,30 +139,9 @@ def test_wheel_metadata_and_explicit_capabilities():
     """Depends on lmcache-core and on torch only as a range; both flags and the default
     mode are overridden explicitly (no reliance on the base-class bridge)."""
     from lmcache.devices.neuron import NeuronDeviceSpec
-    from lmcache.v1.platform.base.device_spec import overrides
+    from lmcache.v1.platform.testing import check_device_wheel_contract
 
-    requires = md.requires("lmcache-neuron") or []
-    assert any(r.split(";")[0].strip() == "lmcache-core" for r in requires), requires
-    torch_reqs = [r for r in requires if r.startswith("torch")]
-    assert torch_reqs and all("==" not in r for r in torch_reqs), torch_reqs
-    spec = NeuronDeviceSpec()
-    for name in (
-        "is_lmcache_driven_available",
-        "is_handle_transfer_available",
-        "default_mp_transfer_mode",
-    ):
-        assert overrides(spec, name), name
-
-
-def _canonical_rows(fmt, layer, bid):
-    """Token-major rows of one block (platform.md §1.4): [2, BS, NH*HS] or [BS, HS]."""
-    if fmt == 3:
-        return layer[bid]
-    if fmt == 1:
-        return layer[:, bid].reshape(2, layer.shape[2], -1)
-    if fmt == 2:
-        return layer[bid].reshape(2, layer.shape[2], -1)
-    return layer[:, bid].permute(0, 2, 1, 3).reshape(2, layer.shape[3], -1)  # 6: HND
+    check_device_wheel_contract("lmcache-neuron", NeuronDeviceSpec())
 
 
 @pytest.mark.parametrize("fmt", [1, 2, 3, 6])
@@ -172,44 +151,5 @@ def _canonical_rows(fmt, layer, bid):
 def test_transfer_matrix_canonical(fmt, ids, skip):
     from lmcache.v1.platform._device_detect import resolve_device_ops
 
-    nb, bs, nh, hs, nl, chunk = 5, 4, 2, 8, 2, 8
-    shape = {
-        1: (2, nb, bs, nh, hs),
-        2: (nb, 2, bs, nh, hs),
-        3: (nb, bs, hs),
-        6: (2, nb, nh, bs, hs),
-    }[fmt]
-    g = torch.Generator().manual_seed(fmt)
-    layers = [torch.randn(*shape, generator=g).to(torch.bfloat16) for _ in range(nl)]
-    originals = [t.clone() for t in layers]
-    kv, width = (1, hs) if fmt == 3 else (2, nh * hs)
-    sd = PageBufferShapeDesc(kv_size=kv, nl=nl, nb=nb, bs=bs, nh=1 if fmt == 3 else nh, hs=hs,
-                             element_size=2, dtype=torch.bfloat16)  # fmt: skip
-    cshape = (nl, chunk, width) if fmt == 3 else (2, nl, chunk, width)
-    chunks = [torch.full(cshape, 5.0, dtype=torch.bfloat16) for _ in range(2)]
     with install_fake_device("neuron", vendor_module="torch_neuronx"):
-        ops = resolve_device_ops("neuron")
-        ops.multi_layer_block_kv_transfer(
-            layers, chunks, ids, "cpu", TransferDirection.D2H, sd, chunk, fmt, skip
-        )
-        for p, bid in enumerate(ids):
-            obj, t0 = divmod(p, chunk // bs)
-            for li, layer in enumerate(originals):
-                rows = chunks[obj][li] if fmt == 3 else chunks[obj][:, li]
-                got = rows[..., t0 * bs : (t0 + 1) * bs, :]
-                if p < skip:
-                    assert torch.all(got == 5.0)  # rows outside the valid range untouched
-                else:
-                    assert torch.equal(got, _canonical_rows(fmt, layer, bid))
-        for t in layers:
-            t.zero_()
-        ops.multi_layer_block_kv_transfer(
-            layers, chunks, ids, "cpu", TransferDirection.H2D, sd, chunk, fmt, skip
-        )
-        axis = 1 if fmt in (1, 6) else 0
-        for t, o in zip(layers, originals, strict=True):
-            for b in range(nb):
-                if b in ids[skip:]:
-                    assert torch.equal(t.select(axis, b), o.select(axis, b))
-                else:
-                    assert not t.select(axis, b).any()
+        check_canonical_block_transfer(resolve_device_ops("neuron"), fmt, ids, skip)

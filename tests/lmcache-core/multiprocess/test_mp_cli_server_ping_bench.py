@@ -184,3 +184,30 @@ def test_report_block_allocation_and_status_counts(lmcache_server, mp):
         assert mp.status(srv)["active_sessions"] == 1
         assert c.call("end_session", "st") is None
         assert mp.status(srv)["active_sessions"] == 0
+
+
+def test_http_delete_l1_objects(bench_srv, mp):
+    from lmcache.v1.multiprocess.token_hasher import chunk_hashes, compute_kv_rank
+
+    model = "http-delete-m"
+    c, ctx = mp.worker(bench_srv.rpc_url, mp.make_kv(), model=model)
+    try:
+        assert ctx.submit_store(mp.key("d", model=model), list(range(1, 33))).result(20)
+        keys = [
+            {"chunk_hash_hex": h.hex(), "model_name": model, "kv_rank": compute_kv_rank(1, 0)}
+            for h in chunk_hashes(mp.TOKENS, 256)
+        ]
+        r = httpx.request(
+            "DELETE", bench_srv.http_url + "/cache/objects", json={"keys": keys, "tier": "l1"}
+        )
+        assert r.status_code == 200 and r.json()["deleted"] == 2 and r.json()["ok"] is True
+        assert mp.lookup_hits(c, model=model) == 0
+        bad = httpx.request(
+            "DELETE",
+            bench_srv.http_url + "/cache/objects",
+            json={"keys": [{"chunk_hash_hex": "zz"}], "tier": "l1"},
+        )
+        assert bad.status_code == 400
+    finally:
+        ctx.close()
+        c.close()

@@ -333,3 +333,27 @@ def test_install_fake_device_restores_everything():
         pytest.raises(RuntimeError),
     ):
         fake.is_available()
+
+
+def test_wheel_checks_in_testing_module_pass_and_fail():
+    from lmcache.v1.platform.base.device_ops import DeviceOps
+    from lmcache.v1.platform.devices.cpu import CpuDeviceSpec
+    from lmcache.v1.platform.testing import (
+        check_canonical_block_transfer,
+        check_device_wheel_contract,
+    )
+
+    for fmt in (1, 2, 3, 6):
+        check_canonical_block_transfer(DeviceOps(), fmt, [4, 0, 2], 1)
+
+    class SkipIgnored(DeviceOps):  # writes the skipped prefix too
+        def multi_layer_block_kv_transfer(self, *args):
+            return super().multi_layer_block_kv_transfer(*args[:-1], 0)
+
+    with pytest.raises(AssertionError, match="before skip"):
+        check_canonical_block_transfer(SkipIgnored(), 1, [4, 0, 2], 1)
+    with pytest.raises(ValueError, match="fmt=9"):
+        check_canonical_block_transfer(DeviceOps(), 9, [0], 0)
+    # lmcache-core is not a device wheel: it does not depend on itself.
+    with pytest.raises(AssertionError):
+        check_device_wheel_contract("lmcache-core", CpuDeviceSpec())

@@ -702,10 +702,22 @@ class CacheEngine:
             session.ended = True
             job = session.job
             inflight = session.inflight_retrieves
-            keys = list(session.share_keys.values())
+            info, hashes = session.key_info, list(session.hashes)
         if job is not None and not job.done.is_set():
             job.superseded = True
-        self.storage.touch(keys)
+        if info is not None and hashes:  # refresh the LRU position of every key of the request
+            model, ws, salt = info
+            k = P.IPCCacheServerKey(
+                model_name=model,
+                world_size=ws,
+                worker_id=None,
+                token_ids=[],
+                start=0,
+                end=0,
+                request_id=request_id,
+                cache_salt=salt,
+            )
+            self.storage.touch([x for row in fan_out_keys(k, hashes, 0, len(hashes)) for x in row])
         if inflight == 0:
             self._free_range(session, 0, 1 << 62)
         return None
@@ -736,6 +748,7 @@ class CacheEngine:
             )
         session = self.sessions.touch(key.request_id)
         hashes = self._hashes(session, key, key.end)
+        session.key_info = (key.model_name, key.world_size, key.cache_salt)
         first, last = key.start // self.cs, key.end // self.cs
         return session, self._keys(hashes, first, last, key, [key.worker_id])[0]
 

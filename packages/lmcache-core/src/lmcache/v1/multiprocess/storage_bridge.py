@@ -135,14 +135,6 @@ class StorageBridge:
         except Exception:
             return 0
 
-    def shm_segment(self) -> tuple[str, int]:
-        """(segment name, size) of the shm-backed L1 arena, or ("", 0)."""
-        desc = self.l1.get_l1_memory_desc()
-        name = getattr(self.l1, "shm_name", None) or getattr(desc, "shm_name", None) or ""
-        if not name:
-            return "", 0
-        return str(name), int(getattr(desc, "size", 0))
-
     def status(self) -> dict[str, Any]:
         try:
             return self.sm.report_status()

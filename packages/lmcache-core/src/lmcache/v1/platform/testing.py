@@ -3,6 +3,11 @@
 ``install_fake_device("mlu", vendor_module="torch_mlu")`` sets ``torch.mlu`` to a fake
 module; for ``cuda``/``xpu`` (which stock torch already has) it patches the module's
 functions instead. Platform caches are reset on entry and exit.
+
+Checks a device wheel's own tests can call (they raise AssertionError):
+``check_device_wheel_contract(distribution, spec)`` (packaging and explicit capability
+overrides) and ``check_canonical_block_transfer(ops, fmt, block_ids, skip)`` (the
+canonical host-chunk layout of ``multi_layer_block_kv_transfer``, CPU tensors).
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ __all__ = [
     "FakeEvent",
     "FakeExternalStream",
     "FakeStream",
+    "check_canonical_block_transfer",
+    "check_device_wheel_contract",
     "extra_device_specs",
     "install_fake_device",
 ]
@@ -322,3 +329,106 @@ def extra_device_specs(*specs: Any) -> Iterator[None]:
     finally:
         _device_detect._test_specs[:] = saved
         _reset()
+
+
+# ---- checks for device wheels' own tests -----------------------------------------------
+
+
+def check_device_wheel_contract(distribution: str, spec: Any) -> None:
+    """A device wheel depends on ``lmcache-core`` and on torch only as a range (never a
+    pin), and its spec overrides both capability flags and the default transfer mode
+    explicitly (no reliance on the base-class bridge)."""
+    import importlib.metadata as md
+
+    from lmcache.v1.platform.base.device_spec import overrides
+
+    requires = md.requires(distribution) or []
+    assert any(r.split(";")[0].strip() == "lmcache-core" for r in requires), requires
+    torch_reqs = [r for r in requires if r.startswith("torch")]
+    assert torch_reqs and all("==" not in r for r in torch_reqs), torch_reqs
+    for name in (
+        "is_lmcache_driven_available",
+        "is_handle_transfer_available",
+        "default_mp_transfer_mode",
+    ):
+        assert overrides(spec, name), f"{type(spec).__name__} does not override {name}"
+
+
+# Per-layer shapes of the formats check_canonical_block_transfer covers.
+_CANONICAL_FORMAT_SHAPES = {
+    1: lambda nb, bs, nh, hs: (2, nb, bs, nh, hs),  # NL x [2, NB, BS, NH, HS]
+    2: lambda nb, bs, nh, hs: (nb, 2, bs, nh, hs),  # NL x [NB, 2, BS, NH, HS]
+    3: lambda nb, bs, nh, hs: (nb, bs, hs),  # MLA: NL x [NB, BS, HS]
+    6: lambda nb, bs, nh, hs: (2, nb, nh, bs, hs),  # HND: NL x [2, NB, NH, BS, HS]
+}
+
+
+def _canonical_rows(fmt: int, layer: Any, bid: int) -> Any:
+    """Token-major rows of one block (platform.md §1.4): [2, BS, NH*HS] or [BS, HS]."""
+    if fmt == 3:
+        return layer[bid]
+    if fmt == 1:
+        return layer[:, bid].reshape(2, layer.shape[2], -1)
+    if fmt == 2:
+        return layer[bid].reshape(2, layer.shape[2], -1)
+    return layer[:, bid].permute(0, 2, 1, 3).reshape(2, layer.shape[3], -1)  # 6: HND
+
+
+def check_canonical_block_transfer(ops: Any, fmt: int, block_ids: list[int], skip: int) -> None:
+    """Round-trip ``ops.multi_layer_block_kv_transfer`` on CPU tensors for engine format
+    ``fmt`` (1, 2, 3 or 6), 2 layers, 5 blocks of 4 tokens, 8-token chunks.
+
+    D2H must write each block's canonical token-major rows and leave the first ``skip``
+    blocks' rows untouched; H2D into zeroed layers must restore exactly the blocks of
+    ``block_ids[skip:]`` and nothing else.
+    """
+    import torch
+
+    from lmcache.v1.platform.ops_types import PageBufferShapeDesc, TransferDirection
+
+    if fmt not in _CANONICAL_FORMAT_SHAPES:
+        raise ValueError(f"fmt={fmt!r}: check_canonical_block_transfer covers formats 1, 2, 3, 6")
+    nb, bs, nh, hs, nl, chunk = 5, 4, 2, 8, 2, 8
+    g = torch.Generator().manual_seed(fmt)
+    shape = _CANONICAL_FORMAT_SHAPES[fmt](nb, bs, nh, hs)
+    layers = [torch.randn(*shape, generator=g).to(torch.bfloat16) for _ in range(nl)]
+    originals = [t.clone() for t in layers]
+    mla = fmt == 3
+    kv, width = (1, hs) if mla else (2, nh * hs)
+    sd = PageBufferShapeDesc(
+        kv_size=kv,
+        nl=nl,
+        nb=nb,
+        bs=bs,
+        nh=1 if mla else nh,
+        hs=hs,
+        element_size=2,
+        dtype=torch.bfloat16,
+    )
+    cshape = (nl, chunk, width) if mla else (2, nl, chunk, width)
+    n_objs = -(-len(block_ids) // (chunk // bs))
+    chunks = [torch.full(cshape, 5.0, dtype=torch.bfloat16) for _ in range(n_objs)]
+    ops.multi_layer_block_kv_transfer(
+        layers, chunks, block_ids, "cpu", TransferDirection.D2H, sd, chunk, fmt, skip
+    )
+    for p, bid in enumerate(block_ids):
+        obj, t0 = divmod(p, chunk // bs)
+        for li, layer in enumerate(originals):
+            rows = chunks[obj][li] if mla else chunks[obj][:, li]
+            got = rows[..., t0 * bs : (t0 + 1) * bs, :]
+            if p < skip:
+                assert torch.all(got == 5.0), f"block {bid} (before skip) was written"
+            else:
+                assert torch.equal(got, _canonical_rows(fmt, layer, bid)), (fmt, p, bid, li)
+    for t in layers:
+        t.zero_()
+    ops.multi_layer_block_kv_transfer(
+        layers, chunks, block_ids, "cpu", TransferDirection.H2D, sd, chunk, fmt, skip
+    )
+    axis = 1 if fmt in (1, 6) else 0
+    for t, o in zip(layers, originals, strict=True):
+        for b in range(nb):
+            if b in block_ids[skip:]:
+                assert torch.equal(t.select(axis, b), o.select(axis, b)), (fmt, b)
+            else:
+                assert not t.select(axis, b).any(), f"block {b} written by H2D"

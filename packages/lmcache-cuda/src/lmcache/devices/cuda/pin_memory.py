@@ -4,16 +4,12 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+from lmcache.devices.cuda.device_ops import CudaDeviceOps
 from lmcache.v1.platform.base.pin_memory import HostRegisterPinMemoryBackend
 
 
 class CudaPinMemoryBackend(HostRegisterPinMemoryBackend):
-    library_names: ClassVar[tuple[str, ...]] = (
-        "libcudart.so",
-        "libcudart.so.13",
-        "libcudart.so.12",
-        "libcudart.so.11.0",
-    )
+    library_names: ClassVar[tuple[str, ...]] = CudaDeviceOps.runtime_library_names
     runtime_name: ClassVar[str] = "CUDA runtime"
     register_symbol: ClassVar[str] = "cudaHostRegister"
     unregister_symbol: ClassVar[str] = "cudaHostUnregister"

@@ -169,12 +169,12 @@ class MluDeviceOps(DeviceOps):
     def _layers(paged: Any, fmt: EngineKVFormat) -> list:
         import torch
 
+        if torch_ops.is_pointer_tensor(paged):
+            raise ValueError(
+                "mlu multi_layer_block_kv_transfer does not accept pointer operands "
+                "(a 1-D tensor of device addresses); pass the per-layer MLU tensors"
+            )
         if isinstance(paged, torch.Tensor):
-            if paged.dim() == 1 and paged.dtype in (torch.int64, torch.uint64):
-                raise ValueError(
-                    "mlu multi_layer_block_kv_transfer does not accept pointer operands "
-                    "(a 1-D tensor of device addresses); pass the per-layer MLU tensors"
-                )
             raise ValueError(
                 f"mlu multi_layer_block_kv_transfer needs a list of per-layer tensors for "
                 f"{fmt.name}, got one tensor of shape {tuple(paged.shape)}"

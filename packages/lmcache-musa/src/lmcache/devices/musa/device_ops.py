@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 from lmcache.utils import init_logger
 from lmcache.v1.platform import torch_ops
 from lmcache.v1.platform.base.device_ops import DeviceOps
-from lmcache.v1.platform.cuda_family.device_ops import pointer_memcpy_async
+from lmcache.v1.platform.cuda_family.device_ops import memcpy_async_through_views
 from lmcache.v1.platform.ops_types import EngineKVFormat, to_engine_kv_format
 
 logger = init_logger(__name__)
@@ -35,17 +35,6 @@ SUPPORTED_FORMATS = (
     EngineKVFormat.NL_X_NB_BS_HS,  # 3
     EngineKVFormat.TWO_X_NL_X_NB_BS_NH_HS,  # 9
 )
-_ELEMENT_DTYPES = {1: "uint8", 2: "float16", 4: "float32"}
-
-
-def _is_pointer_tensor(paged: Any) -> bool:
-    import torch
-
-    return (
-        isinstance(paged, torch.Tensor)
-        and paged.dim() == 1
-        and paged.dtype in (torch.int64, torch.uint64)
-    )
 
 
 class MusaDeviceOps(DeviceOps):
@@ -80,19 +69,15 @@ class MusaDeviceOps(DeviceOps):
     def lmcache_memcpy_async(
         self, dest, src, nbytes, direction, host_buffer_offset, host_buffer_alignments
     ):
-        if not (isinstance(dest, int) and isinstance(src, int)):
-            return torch_ops.lmcache_memcpy_async(
-                dest, src, nbytes, direction, host_buffer_offset, host_buffer_alignments
-            )
-        pointer_memcpy_async(
+        return memcpy_async_through_views(
             self.tensor_from_ptr,
+            self._current_device,
             dest,
             src,
             nbytes,
             direction,
             host_buffer_offset,
             host_buffer_alignments,
-            self._current_device,
         )
 
     # ---- stream-ordered recorders ------------------------------------------------------
@@ -136,7 +121,7 @@ class MusaDeviceOps(DeviceOps):
                 + ", ".join(f"{f.name} ({int(f)})" for f in SUPPORTED_FORMATS)
             )
         paged = paged_buffer_ptrs_tensor
-        if _is_pointer_tensor(paged):
+        if torch_ops.is_pointer_tensor(paged):
             paged = self._rebuild_paged(paged, fmt, shape_desc, lmcache_objects_ptrs, device)
         if os.environ.get(NATIVE_KV_TRANSFER_ENV_VAR, "").strip() == "1" and self._try_aiter(
             paged,
@@ -163,23 +148,11 @@ class MusaDeviceOps(DeviceOps):
 
     def _rebuild_paged(self, ptrs, fmt, sd, objects, device) -> list:
         """Device addresses -> MUSA tensors of the format's per-pointer shape."""
-        import torch
-
         if int(getattr(sd, "block_stride_elems", 0) or 0):
             raise NotImplementedError(
                 "MUSA pointer operands need tight blocks (shape_desc.block_stride_elems == 0)"
             )
-        dtype = sd.dtype
-        if dtype is None:
-            tensors = [o for o in objects if isinstance(o, torch.Tensor)]
-            if tensors:
-                dtype = tensors[0].dtype
-            elif int(sd.element_size or 0) in _ELEMENT_DTYPES:
-                dtype = getattr(torch, _ELEMENT_DTYPES[int(sd.element_size)])
-            else:
-                raise ValueError(
-                    "cannot infer the KV dtype: set shape_desc.dtype or shape_desc.element_size"
-                )
+        dtype = torch_ops.infer_pointer_dtype(sd, objects)
         nb, bs, nh, hs = int(sd.nb), int(sd.bs), int(sd.nh), int(sd.hs)
         if fmt == EngineKVFormat.NL_X_TWO_NB_BS_NH_HS:
             shape: tuple[int, ...] = (2, nb, bs, nh, hs)

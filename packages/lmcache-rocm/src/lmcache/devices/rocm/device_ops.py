@@ -10,5 +10,10 @@ from lmcache.v1.platform.cuda_family.device_ops import CudaFamilyDeviceOps
 class RocmDeviceOps(CudaFamilyDeviceOps):
     # Built only with LMCACHE_BUILD_HIP=1 (hipcc); otherwise the torch baseline answers.
     native_module_name: ClassVar[str | None] = "lmcache.devices.rocm.cuda_ops"
-    runtime_library_names: ClassVar[tuple[str, ...]] = ("libamdhip64.so", "libamdhip64.so.6")
+    # Also the pin backend's candidates (one list of HIP runtime libraries).
+    runtime_library_names: ClassVar[tuple[str, ...]] = (
+        "libamdhip64.so",
+        "libamdhip64.so.6",
+        "libamdhip64.so.5",
+    )
     runtime_memcpy_symbol: ClassVar[str] = "hipMemcpy"

@@ -5,15 +5,12 @@ from __future__ import annotations
 import ctypes
 from typing import Any, ClassVar
 
+from lmcache.devices.rocm.device_ops import RocmDeviceOps
 from lmcache.v1.platform.base.pin_memory import HostRegisterPinMemoryBackend
 
 
 class RocmPinMemoryBackend(HostRegisterPinMemoryBackend):
-    library_names: ClassVar[tuple[str, ...]] = (
-        "libamdhip64.so",
-        "libamdhip64.so.6",
-        "libamdhip64.so.5",
-    )
+    library_names: ClassVar[tuple[str, ...]] = RocmDeviceOps.runtime_library_names
     runtime_name: ClassVar[str] = "HIP runtime"
     register_symbol: ClassVar[str] = "hipHostRegister"
     unregister_symbol: ClassVar[str] = "hipHostUnregister"
@@ -30,11 +27,7 @@ class RocmPinMemoryBackend(HostRegisterPinMemoryBackend):
 
     @property
     def is_pin_supported(self) -> bool:
-        try:
-            import torch
+        # Exactly when the backend is: a HIP build of torch with a visible device.
+        from lmcache.devices.rocm import RocmDeviceSpec
 
-            return getattr(torch.version, "hip", None) is not None and bool(
-                torch.cuda.is_available()
-            )
-        except Exception:
-            return False
+        return RocmDeviceSpec().is_available()

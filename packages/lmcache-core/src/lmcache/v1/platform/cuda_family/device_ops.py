@@ -47,20 +47,27 @@ def host_pieces(host_offset: int, nbytes: int, alignment: int) -> list[tuple[int
     return pieces
 
 
-def pointer_memcpy_async(
+def memcpy_async_through_views(
     tensor_from_ptr: Callable[..., Any],
-    dest: int,
-    src: int,
+    current_device: Callable[[], Any],
+    dest: Any,
+    src: Any,
     nbytes: int,
     direction: Any,
     host_buffer_offset: int,
     host_buffer_alignments: int,
-    current_device: Callable[[], Any],
 ) -> None:
-    """Pointer mode of ``lmcache_memcpy_async`` for backends whose device memory torch
-    can view: stream-ordered ``copy_`` of each ``host_pieces`` piece, so a piece never
-    spans two pin registrations of the host allocator. ``tensor_from_ptr`` is the
-    backend's device-address view, ``current_device`` its active device."""
+    """``lmcache_memcpy_async`` for backends whose device memory torch can view.
+
+    Tensor operands (and the mixed-operand TypeError) are the baseline's. Pointer mode:
+    a stream-ordered ``copy_`` per ``host_pieces`` piece, so a piece never spans two pin
+    registrations of the host allocator; ``tensor_from_ptr`` is the backend's view of a
+    device address, ``current_device()`` its active device.
+    """
+    if not (isinstance(dest, int) and isinstance(src, int)):
+        return torch_ops.lmcache_memcpy_async(
+            dest, src, nbytes, direction, host_buffer_offset, host_buffer_alignments
+        )
     import torch
 
     pieces = host_pieces(host_buffer_offset, int(nbytes), host_buffer_alignments)
@@ -74,6 +81,7 @@ def pointer_memcpy_async(
             dev_view.copy_(host_view, non_blocking=True)
         else:
             host_view.copy_(dev_view, non_blocking=True)
+    return None
 
 
 class _ArrayInterface:
@@ -95,7 +103,8 @@ class CudaFamilyDeviceOps(DeviceOps):
     kv_transfer_operands: ClassVar[str | None] = "tensor"
     # Module bound by ensure_native(); set by each wheel's subclass.
     native_module_name: ClassVar[str | None] = None
-    # Runtime libraries tried (in order) for the device-to-device copy fallback.
+    # Runtime libraries tried (in order) for the device-to-device copy fallback; the
+    # wheels' pin backends load the same list.
     runtime_library_names: ClassVar[tuple[str, ...]] = (
         "libcudart.so",
         "libcudart.so.13",
@@ -166,20 +175,15 @@ class CudaFamilyDeviceOps(DeviceOps):
     def lmcache_memcpy_async(
         self, dest, src, nbytes, direction, host_buffer_offset, host_buffer_alignments
     ):
-        if not (isinstance(dest, int) and isinstance(src, int)):
-            # Tensor mode (and the mixed-operand TypeError) is the baseline's.
-            return torch_ops.lmcache_memcpy_async(
-                dest, src, nbytes, direction, host_buffer_offset, host_buffer_alignments
-            )
-        pointer_memcpy_async(
+        return memcpy_async_through_views(
             self.tensor_from_ptr,
+            self._active_device,
             dest,
             src,
             nbytes,
             direction,
             host_buffer_offset,
             host_buffer_alignments,
-            self._active_device,
         )
 
     def _active_device(self) -> Any:

@@ -50,9 +50,9 @@ def _paged_pointer_tensor(paged, device, plane_bytes: int):
     """int64 device tensor of plane addresses, or None when the operands need the
     Python path (non-contiguous tensors, tuples, tensors off the GPU, or tensors whose
     size disagrees with shape_desc: the kernel must never address past them)."""
+    if _torch_ops.is_pointer_tensor(paged):
+        return paged.to(device=device, dtype=_torch.int64).contiguous()
     if isinstance(paged, _torch.Tensor):
-        if paged.dim() == 1 and paged.dtype in (_torch.int64, _torch.uint64):
-            return paged.to(device=device, dtype=_torch.int64).contiguous()
         tensors = [paged]
     else:
         tensors = _flatten(paged)

@@ -1,10 +1,16 @@
 """Torch baseline ops: pure PyTorch, any device with standard tensor ops.
 
 Every public op of platform.md §4.2 is importable from here and mirrored by a
-``DeviceOps`` method of the same name and signature.
+``DeviceOps`` method of the same name and signature. Helpers for backends, not ops:
+``host_tensor_from_ptr`` (zero-copy view of a host address), ``is_pointer_tensor`` and
+``infer_pointer_dtype`` (recognising pointer operands and their KV dtype).
 """
 
-from lmcache.v1.platform.torch_ops._block import multi_layer_block_kv_transfer
+from lmcache.v1.platform.torch_ops._block import (
+    infer_pointer_dtype,
+    is_pointer_tensor,
+    multi_layer_block_kv_transfer,
+)
 from lmcache.v1.platform.torch_ops._legacy import multi_layer_kv_transfer
 from lmcache.v1.platform.torch_ops._memory import (
     _tensor_from_ptr,
@@ -66,6 +72,8 @@ __all__ = [
     "free_shm_pinned_ptr",
     "get_gpu_pci_bus_id",
     "host_tensor_from_ptr",
+    "infer_pointer_dtype",
+    "is_pointer_tensor",
     "lmcache_memcpy_async",
     "load_and_reshape_flash",
     "multi_layer_block_kv_transfer",

@@ -33,6 +33,15 @@ F = EngineKVFormat
 _ELEMENT_DTYPES = {1: torch.uint8, 2: torch.float16, 4: torch.float32}
 
 
+def is_pointer_tensor(paged: Any) -> bool:
+    """True for pointer operands (platform.md §3.5): a 1-D int64/uint64 tensor of addresses."""
+    return (
+        isinstance(paged, torch.Tensor)
+        and paged.dim() == 1
+        and paged.dtype in (torch.int64, torch.uint64)
+    )
+
+
 @dataclass
 class _Plane:
     view: torch.Tensor  # NHD: [NB, BS, w]; HND: [NB, NH, BS, x]
@@ -304,7 +313,10 @@ def _build_layout(paged: Any, fmt: EngineKVFormat, sd: Any) -> _Layout:
     return _Layout(planes, kv, nl, bs, width, dtype, planes[0].view.device)  # type: ignore[arg-type]
 
 
-def _infer_pointer_dtype(sd: Any, objects: list) -> torch.dtype:
+def infer_pointer_dtype(sd: Any, objects: Any) -> torch.dtype:
+    """KV dtype for pointer operands: ``sd.dtype``, else the first tensor object's dtype,
+    else the dtype of ``sd.element_size`` (1, 2, 4 bytes); ValueError otherwise.
+    Backends that rebuild device tensors from addresses use it too."""
     dt = getattr(sd, "dtype", None)
     if isinstance(dt, torch.dtype):
         return dt
@@ -376,12 +388,8 @@ def multi_layer_block_kv_transfer(
     else:
         objects = list(lmcache_objects_ptrs)
     paged = paged_buffer_ptrs_tensor
-    if (
-        isinstance(paged, torch.Tensor)
-        and paged.dim() == 1
-        and paged.dtype in (torch.int64, torch.uint64)
-    ):
-        dtype = _infer_pointer_dtype(shape_desc, objects)
+    if is_pointer_tensor(paged):
+        dtype = infer_pointer_dtype(shape_desc, objects)
         dev = torch.device(device) if device is not None else torch.device("cpu")
         paged = _pointer_tensors(paged, fmt, shape_desc, dtype, dev)
     layout = _build_layout(paged, fmt, shape_desc)
