@@ -11,6 +11,7 @@
 
 #include <cerrno>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <random>
 #include <stdexcept>
@@ -29,6 +30,9 @@ namespace fs {
 
 struct FSConnection {
   std::mt19937_64 rng;
+  // ".<pid>-<tid>-": the fixed part of this worker's temp names, built once per worker
+  // (create_connection runs on the worker thread) instead of two syscalls per key.
+  std::string tmp_tag;
   bool published_in_tile = false;
 };
 
@@ -86,7 +90,10 @@ class FSConnector : public connector::ConnectorBase<FSConnection> {
  protected:
   FSConnection create_connection() override {
     std::random_device rd;
-    return FSConnection{std::mt19937_64((uint64_t(rd()) << 32) ^ rd()), false};
+    FSConnection conn{std::mt19937_64((uint64_t(rd()) << 32) ^ rd()), {}, false};
+    conn.tmp_tag = "." + std::to_string(::getpid()) + "-" +
+                   std::to_string(static_cast<long>(::syscall(SYS_gettid))) + "-";
+    return conn;
   }
 
   bool do_single_get(FSConnection&, const std::string& key, void* buf, size_t len,
@@ -185,12 +192,14 @@ class FSConnector : public connector::ConnectorBase<FSConnection> {
     struct stat st;
     if (::stat(final_path.c_str(), &st) == 0) return false;  // first writer wins
 
-    char suffix[64];
-    std::snprintf(suffix, sizeof(suffix), ".%d-%ld-%08x.tmp", static_cast<int>(::getpid()),
-                  static_cast<long>(::syscall(SYS_gettid)),
+    char rand_hex[16];
+    std::snprintf(rand_hex, sizeof(rand_hex), "%08x",
                   static_cast<unsigned>(conn.rng() & 0xffffffffu));
-    const std::string stem = name.substr(0, name.size() - 5);  // minus ".data"
-    const std::string tmp_path = tmp_dir_ + "/" + stem + suffix;
+    std::string tmp_path = tmp_dir_ + "/";
+    tmp_path.append(name, 0, name.size() - 5);  // minus ".data"
+    tmp_path += conn.tmp_tag;
+    tmp_path += rand_hex;
+    tmp_path += ".tmp";
 
     int fd = open_retry(tmp_path, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, aligned(buf, len),
                         0644);

@@ -203,3 +203,21 @@ def test_hugepages_force_lazy_off_and_fall_back():
         assert alloc.allocate([torch.Size([8])], F32) is not None
     finally:
         alloc.close()
+
+
+def test_pool_larger_than_available_memory_starts_with_a_warning(caplog):
+    """A lazy L1 bigger than free RAM reserves address space only and warns (protocol §13.1)."""
+    import logging
+    import os
+
+    from lmcache.v1.distributed.l1_memory import L1Allocator
+
+    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    size = available + (4 << 30)
+    with caplog.at_level(logging.WARNING, logger="lmcache"):
+        alloc = L1Allocator(size, lazy=True, init_size=1 << 20, grow_in_background=False)
+    try:
+        assert alloc.size >= size
+        assert "larger than the memory available" in caplog.text
+    finally:
+        alloc.close()

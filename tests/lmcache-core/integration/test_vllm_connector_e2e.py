@@ -71,7 +71,9 @@ def test_cold_store_then_warm_hit_is_byte_identical(server, engines):
     warm = engines()
     warm.add_request("b", prompt)
     warm.run()
-    assert warm.match_results["b"][0] == (None, True)  # the first call only sends the lookup
+    # The first call sends the lookup; the answer may already be in (the server may finish
+    # the prefetch before the first status poll), otherwise it is "ask again later".
+    assert warm.match_results["b"][0] in ((None, True), (512, True))
     assert warm.match_results["b"][-1] == (512, True)
     assert warm.loaded_ok["b"] == 512  # every loaded token byte-identical on every rank
     assert warm.finished_results["b"] is False  # nothing new to store

@@ -20,6 +20,7 @@ from __future__ import annotations
 import bisect
 import mmap
 import os
+import sys
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -45,6 +46,8 @@ PIN_STEP = 64 << 20
 COMMIT_STEP = 1 << 30
 HUGEPAGE_SIZE = 2 << 20
 _MAP_HUGETLB = getattr(mmap, "MAP_HUGETLB", 0x40000)
+# Python < 3.12 does not export it; 0x4000 is the Linux value.
+_MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform == "linux" else 0)
 
 _live_shm_names: set[str] = set()
 _live_lock = threading.Lock()
@@ -175,7 +178,11 @@ class _Arena:
         if self._mm is None and use_hugepages:
             self._mm = self._open_hugepages(size)
         if self._mm is None:
-            self._mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            # NORESERVE: a lazy L1 larger than free RAM only commits what it touches, so it
+            # must start (with a warning) instead of failing with ENOMEM.
+            self._mm = mmap.mmap(
+                -1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE
+            )
         self.tensor = torch.frombuffer(self._mm, dtype=torch.uint8)
         self.ptr = self.tensor.data_ptr()
 
@@ -266,6 +273,26 @@ class _Arena:
             self._shm_path = ""
 
 
+def _available_memory_bytes() -> int | None:
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return None
+
+
+def _warn_if_larger_than_available_memory(size: int) -> None:
+    """The pool commits pages on first use, so too large a size is only a warning."""
+    available = _available_memory_bytes()
+    if available is not None and size > available:
+        logger.warning(
+            "L1 size %.2f GiB is larger than the memory available now (%.2f GiB); the pool "
+            "commits pages as it fills, so the host may run out of memory before L1 is full. "
+            "Lower --l1-size-gb to fit.",
+            size / 2**30,
+            available / 2**30,
+        )
+
+
 class L1Allocator:
     """Allocator of ``TensorMemoryObj`` slices of one arena; thread-safe."""
 
@@ -295,6 +322,7 @@ class L1Allocator:
             logger.info("L1 hugepages force --no-l1-use-lazy")
             lazy = False
         size = (size + align - 1) // align * align
+        _warn_if_larger_than_available_memory(size)
         self.align = align
         self.size = size
         self._lock = threading.Lock()

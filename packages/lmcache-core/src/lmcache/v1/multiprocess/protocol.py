@@ -112,10 +112,16 @@ class EngineGroupInfo(msgspec.Struct, kw_only=True):
     recurrent_state: bool = False
 
 
-class BlockAllocationRecord(msgspec.Struct, kw_only=True):
+class RequestAllocationRecord(msgspec.Struct, kw_only=True):
+    """Blocks and tokens newly allocated to one request in a scheduler step."""
+
     req_id: str = ""
     new_block_ids: Any = None
     new_token_ids: Any = None
+
+
+# The older name vLLM's connector still imports (connector.md 2.3).
+BlockAllocationRecord = RequestAllocationRecord
 
 
 # ---------------------------------------------------------------------------
