@@ -36,7 +36,10 @@ def test_cli_error_is_one_line_without_traceback(monkeypatch, capsys):
     monkeypatch.setattr(cli_main, "build_parser", lambda: _parser_with(fail))
     assert cli_main.main(["boom"]) == 2
     err = capsys.readouterr().err
-    assert err.strip() == "lmcache boom: error: --l1-size-gb must be > 0 (got -1); pass a positive size"
+    assert (
+        err.strip()
+        == "lmcache boom: error: --l1-size-gb must be > 0 (got -1); pass a positive size"
+    )
     assert "Traceback" not in err
 
 
