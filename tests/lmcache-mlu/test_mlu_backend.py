@@ -416,10 +416,10 @@ def test_wheel_metadata_and_explicit_capabilities():
 def test_mp_gather_scatter_dispatch(ops, monkeypatch, fmt, hint):
     """The shared MP copy path (engine-driven worker) runs on MluDeviceOps with the
     arguments it really passes: per-layer tensors, flat ids, the layout from the hint."""
-    base = pytest.importorskip("lmcache.v1.multiprocess.transfer_context.base")
-    if not hasattr(base, "_ops_for"):
-        pytest.skip("the MP copy path no longer resolves ops through _ops_for")
-    # CPU tensors stand in for MLU ones: route the KV tensors' ops to the MLU backend.
+    import lmcache.v1.multiprocess.transfer_context.base as base  # core: always installed
+
+    # CPU tensors stand in for MLU ones: route the KV tensors' ops to the MLU backend
+    # (raising=True: a renamed hook fails here instead of silently skipping).
     monkeypatch.setattr(base, "_ops_for", lambda t: ops)
     layers, originals = _layers(fmt, seed=3)
     hints = {"kv_layout": hint} if hint else None

@@ -129,6 +129,8 @@ def test_native_module_absent_falls_back(caplog):
     ops.ensure_native()
     assert ops.kv_transfer_operands == "tensor"
     assert "lmcache.devices.rocm.cuda_ops" in caplog.text
+    # ROCm's own build variable, never CUDA's.
+    assert "LMCACHE_BUILD_HIP=1" in caplog.text and "LMCACHE_BUILD_CUDA" not in caplog.text
 
 
 def test_pin_without_hip_runtime_is_false():

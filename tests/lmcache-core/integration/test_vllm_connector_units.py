@@ -281,3 +281,57 @@ def test_kv_layout_from_vllm_cache_config(layout, expected):
     cfg = make_vllm_config(port=1)
     cfg.cache_config.kv_cache_layout = layout
     assert _vllm_kv_layout(cfg) == expected
+
+
+@pytest.mark.parametrize(
+    "layout,expected",
+    [(None, "HND"), ("", "HND"), ("NHD", "NHD"), ("HND", "HND"), ("LBNHC", "NHD")],
+)
+def test_mlu_legacy_layout_query_is_normalised_to_hnd(layout, expected):
+    """platform.md §8.5: no layout from vLLM on mlu means HND; explicit layouts are kept."""
+    from lmc_vllm_harness import make_vllm_config
+
+    from lmcache.integration.vllm.lmcache_mp_connector import _vllm_kv_layout
+
+    cfg = make_vllm_config(port=1)
+    cfg.cache_config.kv_cache_layout = layout
+    assert _vllm_kv_layout(cfg, "mlu") == expected
+    assert _vllm_kv_layout(cfg, "cuda") == ("NHD" if layout in (None, "") else expected)
+
+
+def test_kv_device_type_reads_the_first_kv_tensor():
+    from types import SimpleNamespace
+
+    import torch
+
+    from lmcache.integration.vllm.lmcache_mp_connector import _kv_device_type
+
+    mlu = SimpleNamespace(device=SimpleNamespace(type="mlu"))
+    assert _kv_device_type({"layer.0": mlu}) == "mlu"
+    assert _kv_device_type({"layer.0": (mlu, mlu)}) == "mlu"  # (K, V) pair
+    assert _kv_device_type({"layer.0": torch.zeros(1)}) == "cpu"
+    assert _kv_device_type({}) == ""
+
+
+def test_register_kv_caches_hands_the_mlu_layout_to_the_worker():
+    """The connector passes the KV tensors' device type, so a legacy mlu query gets HND."""
+    from types import SimpleNamespace
+
+    from lmc_vllm_harness import make_vllm_config
+
+    from lmcache.integration.vllm.lmcache_mp_connector import LMCacheMPConnector
+
+    class _Worker:
+        kv_layout = None
+
+        def register_kv_caches(self, kv_caches):
+            self.seen = (self.kv_layout, kv_caches)
+
+    cfg = make_vllm_config(port=1)
+    cfg.cache_config.kv_cache_layout = None
+    connector = LMCacheMPConnector.__new__(LMCacheMPConnector)  # no server needed
+    connector._vllm_config = cfg
+    connector.worker_adapter = worker = _Worker()
+    kv = {"layer.0": SimpleNamespace(device=SimpleNamespace(type="mlu"))}
+    connector.register_kv_caches(kv)
+    assert worker.seen == ("HND", kv)

@@ -38,6 +38,9 @@ def test_plugins_json_lists_backends_and_degrades_without_l2(monkeypatch, capsys
     assert names[0] == "cpu"
     cpu = report["device_backends"][0]
     assert cpu["source"] == "built-in" and cpu["selected"] is True
+    # CpuDeviceSpec.is_available() is False (§5.6): reported as is, the fallback role apart
+    assert cpu["available"] is False and cpu["fallback"] is True
+    assert all(b["fallback"] is False for b in report["device_backends"][1:])
     assert report["selected_device"]["backend"] == "cpu"
     # the L2 half degrades to a note when the storage layer cannot be imported
     from lmcache.cli import plugins
@@ -47,6 +50,13 @@ def test_plugins_json_lists_backends_and_degrades_without_l2(monkeypatch, capsys
     assert report["l2_adapter_types"] == []
     assert any("L2 adapter types unavailable" in n for n in report["notes"])
     assert [b["name"] for b in report["device_backends"]] == names
+
+
+def test_plugins_text_marks_cpu_as_the_fallback(capsys):
+    assert main(["plugins"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()]
+    cpu = next(r for r in rows if r and r[0] == "cpu")
+    assert cpu[1:4] == ["cpu", "fallback", "*"]
 
 
 def test_plugins_reports_detection_errors_instead_of_crashing(monkeypatch, capsys):

@@ -2,10 +2,9 @@
 """The guide's Part 2 (advanced transfer mode) members on top of the basic spec.
 
 Each member below is the guide's code verbatim; they live on a subclass so the basic
-``FooDeviceSpec`` stays exactly the Part 1 sample.
+``FooDeviceSpec`` stays exactly the Part 1 sample. No ``from __future__ import annotations``:
+the guide quotes the TYPE_CHECKING-only annotations, so they must stay quoted here.
 """
-
-from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
@@ -16,10 +15,10 @@ if TYPE_CHECKING:
 
 
 class FooAdvancedDeviceSpec(FooDeviceSpec):
-    _event_backend_cache: EventIPCBackend | None = None
+    _event_backend_cache: "EventIPCBackend | None" = None
 
     @property
-    def event_ipc_backend(self) -> EventIPCBackend:
+    def event_ipc_backend(self) -> "EventIPCBackend":
         backend = self._event_backend_cache
         if backend is None:
             import torch

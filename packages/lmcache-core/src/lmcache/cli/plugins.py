@@ -1,7 +1,8 @@
 """``lmcache plugins [--json]``: what this environment can load.
 
 Lists every device backend (built-in or entry point, with its distribution), whether it
-is available on this host and which one is selected and why; every device plugin that
+is available on this host (``available``: its ``is_available()``; the CPU backend answers
+False and is marked ``fallback`` instead) and which one is selected and why; every device plugin that
 failed to load, with the reason; and the L2 adapter types with their failures.
 """
 
@@ -79,7 +80,10 @@ def collect() -> dict[str, Any]:
                 if src and src.kind != "test"
                 else None,
                 "version": src.version if src and src.version else None,
-                "available": dd._probe(spec) if name != "cpu" else True,
+                # The spec's own answer (cpu: False, platform.md §5.6); the CPU backend is
+                # the fallback used when nothing else is available, reported separately.
+                "available": dd._probe(spec),
+                "fallback": name == "cpu",
                 "selected": name == selected.get("backend"),
             }
         )
@@ -117,7 +121,7 @@ def _print_text(report: dict[str, Any]) -> None:
     print("Device backends (entry-point group lmcache.device_plugins):")
     rows = [("BACKEND", "DEVICE_TYPE", "AVAILABLE", "SELECTED", "SOURCE")]
     for b in report["device_backends"]:
-        avail = "fallback" if b["name"] == "cpu" else ("yes" if b["available"] else "no")
+        avail = "fallback" if b["fallback"] else ("yes" if b["available"] else "no")
         rows.append(
             (b["name"], b["device_type"], avail, "*" if b["selected"] else "", _source_text(b))
         )

@@ -73,19 +73,33 @@ def _group_block_sizes(vllm_config: Any, kv_cache_config: Any) -> list[int]:
     return sizes or [int(vllm_config.cache_config.block_size)]
 
 
-def _vllm_kv_layout(vllm_config: Any) -> str:
+def _vllm_kv_layout(vllm_config: Any, device_type: str = "") -> str:
     """The token/head order inside a KV block: "NHD" (vLLM's default) or "HND".
 
     Older vLLM names it directly; vLLM 0.33 names a stride permutation whose last three
     letters are the in-block order (``...NHC`` = tokens before heads, ``...HNC`` = heads first).
+    A legacy vLLM that reports no layout on ``mlu`` gets "HND": Cambricon's V1 FlashAttention
+    allocates heads first (platform.md §8.5); a layout vLLM resolved explicitly is kept.
     """
     raw = getattr(getattr(vllm_config, "cache_config", None), "kv_cache_layout", None) or ""
     name = str(getattr(raw, "name", raw)).upper()
+    if not name:
+        return "HND" if device_type == "mlu" else "NHD"
     if name in ("NHD", "HND"):
         return name
     if name.endswith("HNC"):
         return "HND"
     return "NHD"
+
+
+def _kv_device_type(kv_caches: dict[str, Any]) -> str:
+    """Device type ("cuda", "mlu", ...) of the first KV tensor; "" when there is none."""
+    for value in kv_caches.values():
+        tensor = value[0] if isinstance(value, (list, tuple)) and value else value
+        device = getattr(tensor, "device", None)
+        if device is not None:
+            return str(getattr(device, "type", device))
+    return ""
 
 
 def _block_ids_of(blocks: Any) -> tuple[list[int], ...]:
@@ -142,7 +156,7 @@ class LMCacheMPConnector(*_BASES):  # type: ignore[misc]
     # ==============================
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         worker = self._worker()
-        worker.kv_layout = _vllm_kv_layout(self._vllm_config)
+        worker.kv_layout = _vllm_kv_layout(self._vllm_config, _kv_device_type(kv_caches))
         worker.register_kv_caches(kv_caches)
 
     def handle_preemptions(self, kv_connector_metadata: Any) -> None:

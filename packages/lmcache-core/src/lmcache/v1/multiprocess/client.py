@@ -33,6 +33,7 @@ from __future__ import annotations
 import collections
 import itertools
 import os
+import select
 import threading
 import time
 from collections.abc import Callable
@@ -48,6 +49,13 @@ logger = init_logger(__name__)
 
 _PENDING = object()
 _POLLER_IDS = itertools.count()
+# A synchronous waiter receives in its own thread for at most this long (see _wait_fast).
+_FAST_WAIT_S = 0.005
+_FAST_SLICE_S = 0.001
+# Op frames never change: encode them once.
+_OP_FRAMES: dict[Any, bytes] = {
+    P.op_wire_value(spec): P.encode(P.op_wire_value(spec)) for spec in P.OPS
+}
 
 
 class LMCacheTimeoutError(TimeoutError):
@@ -114,6 +122,11 @@ class MPFuture:
 
     def result(self, timeout: float | None = None) -> Any:
         """The reply value; raises RemoteError for an error reply, LMCacheTimeoutError on timeout."""
+        if not self._event.is_set() and self._client is not None:
+            t0 = time.monotonic()
+            self._client._wait_fast(self, timeout)
+            if timeout is not None:
+                timeout = max(0.0, timeout - (time.monotonic() - t0))
         if not self._event.wait(timeout):
             if self._client is not None:
                 self._client._forget(self.uid)
@@ -125,7 +138,14 @@ class MPFuture:
 
 
 class _Poller:
-    """The process-wide thread that owns every client socket."""
+    """The process-wide thread that serves every client socket.
+
+    Socket ownership is shared through each client's ``_io_lock``: whoever holds it may
+    send and receive, and always drains the socket to EAGAIN before letting go. The
+    thread watches each socket's ``zmq.FD`` (edge-triggered: it fires only after a drain
+    to EAGAIN, which the rule guarantees) instead of the socket itself, so caller
+    threads can send and receive directly without a thread handoff (``MPClient.call``).
+    """
 
     _instance: _Poller | None = None
     _guard = threading.Lock()
@@ -133,8 +153,8 @@ class _Poller:
     def __init__(self) -> None:
         self.ctx = zmq.Context.instance()
         self._lock = threading.Lock()
-        self._outbox: collections.deque = collections.deque()
-        self._clients: dict[zmq.Socket, MPClient] = {}
+        self._outbox: collections.deque = collections.deque()  # clients with queued frames
+        self._clients: dict[int, MPClient] = {}  # zmq.FD -> client
         self._monitors: dict[zmq.Socket, MPClient] = {}
         self._to_add: list[MPClient] = []
         self._to_remove: list[tuple[MPClient, threading.Event]] = []
@@ -187,8 +207,9 @@ class _Poller:
         self.wake()
         done.wait(timeout=5)
 
-    def send(self, client: MPClient, frames: list[bytes]) -> None:
-        self._outbox.append((client, frames))
+    def kick(self, client: MPClient) -> None:
+        """``client`` has queued frames the thread must send."""
+        self._outbox.append(client)
         self.wake()
 
     def _run(self) -> None:
@@ -206,42 +227,43 @@ class _Poller:
                 adds, self._to_add = self._to_add, []
                 removes, self._to_remove = self._to_remove, []
             for c in adds:
-                c._open(self.ctx)
-                self._clients[c._sock] = c
-                poller.register(c._sock, zmq.POLLIN)
-                if c._monitor is not None:
-                    self._monitors[c._monitor] = c
-                    poller.register(c._monitor, zmq.POLLIN)
+                with c._io_lock:
+                    c._open(self.ctx)
+                    assert c._fd is not None
+                    self._clients[c._fd] = c
+                    poller.register(c._fd, zmq.POLLIN)
+                    if c._monitor is not None:
+                        self._monitors[c._monitor] = c
+                        poller.register(c._monitor, zmq.POLLIN)
+                    replies = c._flush_and_drain()
+                c._on_replies(replies)
             while self._outbox:
-                client, frames = self._outbox.popleft()
-                if client._sock is None:
-                    client._fail(frames, ConnectionError("client is closed"))
-                    continue
-                try:
-                    client._sock.send_multipart(frames, copy=len(frames[-1]) < 65536)
-                except zmq.ZMQError as exc:
-                    client._fail(frames, exc)
-            for sock in events:
-                if sock in self._clients:
-                    c = self._clients[sock]
-                    while True:
-                        try:
-                            frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                        except zmq.Again:
-                            break
-                        c._on_reply(frames)
-                elif sock in self._monitors:
-                    self._monitors[sock]._on_monitor_event()
+                c = self._outbox.popleft()
+                with c._io_lock:
+                    replies = c._flush_and_drain()
+                c._on_replies(replies)
+            for key in events:
+                c = self._clients.get(key) if isinstance(key, int) else None
+                if c is not None:
+                    with c._io_lock:
+                        replies = c._flush_and_drain()
+                    c._on_replies(replies)
+                elif key in self._monitors:
+                    self._monitors[key]._on_monitor_event()
             for c, done in removes:
-                for s, d in ((c._sock, self._clients), (c._monitor, self._monitors)):
-                    if s is not None and s in d:
-                        poller.unregister(s)
-                        del d[s]
-                c._close_sockets()
+                with c._io_lock:
+                    if c._fd is not None and c._fd in self._clients:
+                        poller.unregister(c._fd)
+                        del self._clients[c._fd]
+                    if c._monitor is not None and c._monitor in self._monitors:
+                        poller.unregister(c._monitor)
+                        del self._monitors[c._monitor]
+                    c._close_sockets()
                 done.set()
             if self._stop:
                 for c in list(self._clients.values()):
-                    c._close_sockets()
+                    with c._io_lock:
+                        c._close_sockets()
                 self._wake_r.close(linger=0)
                 self._wake_w.close(linger=0)
                 return
@@ -266,7 +288,11 @@ class MPClient:
         self._pending: dict[int, tuple[MPFuture, bytes]] = {}
         self._pending_lock = threading.Lock()
         self._sock: zmq.Socket | None = None
+        self._fd: int | None = None  # the socket's zmq.FD while it is open
         self._monitor: zmq.Socket | None = None
+        self._io_lock = threading.Lock()  # held by whoever touches _sock (see _Poller)
+        self._outq: collections.deque[list[bytes]] = collections.deque()
+        self._sockets_closed = False
         self._closed = False
         self._poller = _Poller.acquire()
         self._poller.add(self)
@@ -287,6 +313,7 @@ class MPClient:
             self._monitor = None
         sock.connect(self.url)
         self._sock = sock
+        self._fd = sock.getsockopt(zmq.FD)
 
     def _on_monitor_event(self) -> None:
         from zmq.utils.monitor import recv_monitor_message
@@ -305,6 +332,8 @@ class MPClient:
                 self.connected = False
 
     def _close_sockets(self) -> None:
+        self._sockets_closed = True
+        self._fd = None
         if self._sock is not None:
             try:
                 self._sock.disable_monitor()
@@ -315,6 +344,66 @@ class MPClient:
         if self._monitor is not None:
             self._monitor.close(linger=0)
             self._monitor = None
+
+    # -- socket I/O: callers hold _io_lock -------------------------------------------
+    def _flush_and_drain(self) -> list[list[zmq.Frame]]:
+        """Send the queued requests, then receive until EAGAIN; returns the replies.
+
+        Replies are resolved by ``_on_replies`` after the lock is released, so future
+        callbacks never run under it.
+        """
+        sock = self._sock
+        if sock is None:
+            if self._sockets_closed:
+                while self._outq:
+                    self._fail(self._outq.popleft(), ConnectionError("client is closed"))
+            return []  # not open yet: the poller flushes right after opening
+        while self._outq:
+            frames = self._outq.popleft()
+            try:
+                sock.send_multipart(frames, copy=len(frames[-1]) < 65536)
+            except zmq.ZMQError as exc:
+                self._fail(frames, exc)
+        replies = []
+        while True:
+            try:
+                replies.append(sock.recv_multipart(zmq.NOBLOCK, copy=False))
+            except zmq.Again:
+                return replies
+            except zmq.ZMQError as exc:
+                logger.warning("receive from %s failed: %s", self.url, exc)
+                return replies
+
+    def _on_replies(self, replies: list[list[zmq.Frame]]) -> None:
+        for frames in replies:
+            self._on_reply(frames)
+
+    def _wait_fast(self, fut: MPFuture, timeout: float | None) -> None:
+        """Wait briefly for ``fut`` by receiving in the calling thread.
+
+        Most replies arrive within a millisecond; receiving them here saves the handoff
+        through the polling thread. That thread watches the same FD, so whichever thread
+        drains first resolves the future; the short poll slices bound the wait when the
+        other one won the race between our check and our poll.
+        """
+        fd = self._fd
+        if fd is None:
+            return
+        budget = _FAST_WAIT_S if timeout is None else min(_FAST_WAIT_S, max(0.0, timeout))
+        end = time.monotonic() + budget
+        p = select.poll()
+        p.register(fd, select.POLLIN)
+        while not fut._event.is_set():
+            left = end - time.monotonic()
+            if left <= 0:
+                return
+            if not p.poll(min(left, _FAST_SLICE_S) * 1000.0):
+                continue
+            with self._io_lock:
+                if self._fd != fd:
+                    return  # closed meanwhile; result() reports it
+                replies = self._flush_and_drain()
+            self._on_replies(replies)
 
     def _on_reply(self, frames: list[zmq.Frame]) -> None:
         if len(frames) not in (2, 3):
@@ -363,12 +452,25 @@ class MPClient:
         spec = P.lookup_op(op)
         wire_op = P.op_wire_value(spec) if spec is not None else op
         uid = next(self._uids)
-        op_bytes = P.encode(wire_op)
+        op_bytes = _OP_FRAMES.get(wire_op) or P.encode(wire_op)
         fut = MPFuture(self, uid, spec.name if spec else str(op))
         frames = [P.encode(uid), op_bytes, *(P.encode(p) for p in payloads)]
         with self._pending_lock:
             self._pending[uid] = (fut, op_bytes)
-        self._poller.send(self, frames)
+        # Send from this thread when nobody else holds the socket (no handoff); else queue
+        # for the polling thread. Both keep per-client FIFO: the queue is flushed first.
+        if self._io_lock.acquire(blocking=False):
+            try:
+                self._outq.append(frames)
+                replies = self._flush_and_drain() if self._sock is not None else None
+            finally:
+                self._io_lock.release()
+            if replies is not None:
+                self._on_replies(replies)
+                return fut
+        else:
+            self._outq.append(frames)
+        self._poller.kick(self)
         return fut
 
     def call(self, op: str | int, *payloads: Any, timeout: float | None = -1.0) -> Any:

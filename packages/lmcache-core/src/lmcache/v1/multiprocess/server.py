@@ -43,6 +43,7 @@ class MPCacheServer:
         self._outbox: collections.deque = collections.deque()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._loop_ident: int | None = None
         self._features: dict[bytes, frozenset[str]] = {}
         self._affinity_slots: dict[bytes, int] = {}
         self._rr = itertools.count()
@@ -97,6 +98,7 @@ class MPCacheServer:
     def _loop(self) -> None:
         assert self._sock is not None
         sock = self._sock
+        self._loop_ident = threading.get_ident()
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(self._notifier.fileno(), zmq.POLLIN)
@@ -136,7 +138,10 @@ class MPCacheServer:
 
     def _post(self, frames: list[Any]) -> None:
         self._outbox.append(frames)
-        self._notifier.notify()
+        # The loop flushes after every dispatch batch; only other threads must wake it
+        # (saves two syscalls and a loop pass per SYNC op).
+        if threading.get_ident() != self._loop_ident:
+            self._notifier.notify()
 
     # ------------------------------------------------------------------ dispatch
     def _dispatch(self, frames: list[zmq.Frame]) -> None:

@@ -1,7 +1,7 @@
 """Native ops module bound by ``CudaDeviceOps.ensure_native`` (platform.md §3.4).
 
-``_C`` is built by nvcc only with LMCACHE_BUILD_CUDA=1; without it importing this module
-raises ImportError and the ops stay on the torch baseline (one WARNING). ``bind_native``
+``_C`` is built when the wheel build finds nvcc (unless NO_GPU_EXT=1); without it
+importing this module raises ImportError and the ops stay on the torch baseline (one WARNING). ``bind_native``
 binds every public callable here, so everything else is private.
 """
 

@@ -8,6 +8,6 @@ from lmcache.v1.platform.cuda_family.device_ops import CudaFamilyDeviceOps
 
 
 class CudaDeviceOps(CudaFamilyDeviceOps):
-    # Present only when the wheel was built with LMCACHE_BUILD_CUDA=1 (nvcc); otherwise
+    # Present when the wheel build found nvcc (LMCACHE_BUILD_CUDA=1 forces it); otherwise
     # ensure_native() logs one warning and the torch baseline answers.
     native_module_name: ClassVar[str | None] = "lmcache.devices.cuda.cuda_ops"

@@ -8,8 +8,10 @@ from lmcache.v1.platform.cuda_family.device_ops import CudaFamilyDeviceOps
 
 
 class RocmDeviceOps(CudaFamilyDeviceOps):
-    # Built only with LMCACHE_BUILD_HIP=1 (hipcc); otherwise the torch baseline answers.
+    # Built when the wheel's build finds hipcc (LMCACHE_BUILD_HIP=1 forces it); otherwise
+    # the torch baseline answers.
     native_module_name: ClassVar[str | None] = "lmcache.devices.rocm.cuda_ops"
+    native_build_env: ClassVar[str] = "LMCACHE_BUILD_HIP"
     # Also the pin backend's candidates (one list of HIP runtime libraries).
     runtime_library_names: ClassVar[tuple[str, ...]] = (
         "libamdhip64.so",

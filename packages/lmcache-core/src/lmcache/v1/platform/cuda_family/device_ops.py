@@ -112,6 +112,9 @@ class CudaFamilyDeviceOps(DeviceOps):
         "libcudart.so.11.0",
     )
     runtime_memcpy_symbol: ClassVar[str] = "cudaMemcpy"
+    # Named in the fallback warning: the wheel's variable that forces the kernel build
+    # (ROCm overrides it with LMCACHE_BUILD_HIP).
+    native_build_env: ClassVar[str] = "LMCACHE_BUILD_CUDA"
 
     def ensure_native(self) -> None:
         if self._native_bound:
@@ -125,9 +128,11 @@ class CudaFamilyDeviceOps(DeviceOps):
         except (ImportError, OSError) as exc:
             logger.warning(
                 "Native CUDA-family module %s is not available (%s); falling back to the "
-                "torch baseline ops (build the wheel with LMCACHE_BUILD_CUDA=1 for kernels)",
+                "torch baseline ops (reinstall the wheel with %s=1 and the toolkit's "
+                "compiler on PATH for kernels)",
                 name,
                 exc,
+                self.native_build_env,
             )
             return
         self.bind_native(module)

@@ -1,0 +1,273 @@
+"""Cross-check our ``lmcache server`` and ``lmcache bench server`` against LMCache 0.5.6.
+
+Standard library only: it drives two virtualenvs as subprocesses and never imports either
+side, so it runs from any Python (``nox -s compat`` runs it from its own session venv).
+
+    python tests/compat/compat_check.py --theirs VENV_056 --ours VENV_OURS [--bench]
+
+``--theirs`` is a venv with PyPI ``lmcache==0.5.6`` (its ``bin/lmcache``), ``--ours`` a venv
+with ``lmcache-core``. The check runs each side's engine simulator (``lmcache bench server
+--mode cpu --transfer-mode engine_driven``) against the other side's server, with and
+without an SHM pool; each simulator stores KV blocks, retrieves them into zeroed blocks and
+compares every byte, so a pass means the data made the round trip through the foreign
+server intact. ``--bench`` then runs each side against itself on 64 MiB requests and
+prints the median store/retrieve p50 of several runs and our speed-up. Exit status 1 on
+any mismatch, failed run or timeout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+CHECK_SPEC = "(2,256,16,8,128):float16:4"  # 8 MiB per 512-token request: quick
+BENCH_SPEC = "(2,1024,16,8,128):float16:32"  # 64 MiB per 512-token request (issue 4)
+NUM_TOKENS = 512
+# LMCache 0.5.6 prints a banner and may phone home; neither belongs in a test run.
+QUIET_ENV = {"LMCACHE_DISABLE_BANNER": "1", "LMCACHE_TRACK_USAGE": "false"}
+
+
+class CompatFailure(Exception):
+    pass
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def lmcache_bin(venv: Path) -> Path:
+    exe = venv / "bin" / "lmcache"
+    if not exe.is_file():
+        raise CompatFailure(f"{exe} does not exist; is {venv} a venv with lmcache installed?")
+    return exe
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, **QUIET_ENV}
+
+
+@contextmanager
+def running_server(
+    venv: Path, label: str, logdir: Path, *, shm: bool, l1_gb: int = 1
+) -> Iterator[tuple[str, str]]:
+    """Start ``lmcache server`` from ``venv``; yield (rpc_url, http_url) once it is healthy."""
+    port, http_port = free_port(), free_port()
+    cmd = [
+        str(lmcache_bin(venv)),
+        "server",
+        "--l1-size-gb",
+        str(l1_gb),
+        "--eviction-policy",
+        "LRU",
+        "--supported-transfer-mode",
+        "engine_driven",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--http-port",
+        str(http_port),
+    ]
+    if shm:
+        cmd += ["--shm-name", f"compat{os.getpid()}_{port}"]
+    log = logdir / f"server-{label}-{'shm' if shm else 'copy'}-{port}.log"
+    http_url = f"http://127.0.0.1:{http_port}"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=_env())
+    try:
+        deadline = time.monotonic() + 180  # 0.5.6 needs ~20 s to import on a loaded box
+        while True:
+            if proc.poll() is not None:
+                raise CompatFailure(
+                    f"{label} server exited with {proc.returncode}; log: {log}\n"
+                    + log.read_text()[-3000:]
+                )
+            try:
+                with urllib.request.urlopen(f"{http_url}/healthcheck", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise CompatFailure(f"{label} server not healthy after 180 s; log: {log}")
+            time.sleep(0.5)
+        yield f"tcp://127.0.0.1:{port}", http_url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def run_client(
+    venv: Path, side: str, rpc_url: str, http_url: str, spec: str, requests: int, outdir: Path
+) -> dict:
+    """Run ``side``'s bench client; return {"verified", "store_p50_ms", "retrieve_p50_ms", ...}."""
+    out = Path(tempfile.mkstemp(suffix=".json", dir=outdir)[1])
+    base = [
+        str(lmcache_bin(venv)),
+        "bench",
+        "server",
+        "--rpc-url",
+        rpc_url,
+        "--url",
+        http_url,
+        "--mode",
+        "cpu",
+        "--transfer-mode",
+        "engine_driven",
+        "--kvcache-shape-spec",
+        spec,
+        "--num-tokens",
+        str(NUM_TOKENS),
+        "--output",
+        str(out),
+    ]
+    if side == "theirs":
+        # 0.5.6 runs sequences [start, end) with `interval` seconds between them.
+        cmd = [*base, "--start", "0", "--end", str(requests), "--interval", "0", "--format", "json"]
+    else:
+        cmd = [*base, "--iterations", str(requests), "--no-progress"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=900)
+    tail = (proc.stdout + proc.stderr)[-3000:]
+    if not out.stat().st_size:
+        raise CompatFailure(f"{side} client wrote no result (exit {proc.returncode}):\n{tail}")
+    m = json.loads(out.read_text())["metrics"]
+    if side == "theirs":
+        res = m["results"]
+        verified = res["total_requests"] == requests and res["checksum_fail"] == 0
+        verified = verified and res["checksum_ok"] == requests
+        detail = f"checksum_ok={res['checksum_ok']}/{res['total_requests']}"
+        store, retrieve = m["cold_store"]["cold_store_p50"], m["warm_retrieve"]["warm_retrieve_p50"]
+    else:
+        verified = proc.returncode == 0 and all(r["verified"] for r in m["results"])
+        detail = f"verified={[r['verified'] for r in m['results']]} exit={proc.returncode}"
+        store, retrieve = m["cold_store_p50_ms"], m["warm_retrieve_p50_ms"]
+    return {
+        "verified": verified,
+        "detail": detail,
+        "store_p50_ms": float(store),
+        "retrieve_p50_ms": float(retrieve),
+        "output_tail": tail,
+    }
+
+
+def cross_check(venvs: dict[str, Path], logdir: Path, requests: int) -> list[str]:
+    """Each client against the other side's server, copy path and SHM; returns failures."""
+    failures = []
+    for server_side, client_side in (("ours", "theirs"), ("theirs", "ours")):
+        for shm in (False, True):
+            name = f"{client_side} client -> {server_side} server ({'shm' if shm else 'copy'})"
+            try:
+                with running_server(venvs[server_side], server_side, logdir, shm=shm) as urls:
+                    r = run_client(venvs[client_side], client_side, *urls, CHECK_SPEC, requests, logdir)
+            except (CompatFailure, subprocess.TimeoutExpired) as exc:
+                print(f"FAIL  {name}: {exc}", flush=True)
+                failures.append(name)
+                continue
+            status = "ok  " if r["verified"] else "FAIL"
+            print(
+                f"{status}  {name}: {r['detail']} store p50 {r['store_p50_ms']:.1f} ms,"
+                f" retrieve p50 {r['retrieve_p50_ms']:.1f} ms",
+                flush=True,
+            )
+            if not r["verified"]:
+                print(r["output_tail"], flush=True)
+                failures.append(name)
+    return failures
+
+
+def benchmark(
+    venvs: dict[str, Path], logdir: Path, requests: int, runs: int, shm: bool
+) -> tuple[dict, list[str]]:
+    """Each side's client against its own server; the median over ``runs`` of each run's p50."""
+    table: dict[str, dict[str, float]] = {}
+    failures = []
+    for side in ("theirs", "ours"):
+        stores, retrieves = [], []
+        with running_server(venvs[side], side, logdir, shm=shm, l1_gb=4) as urls:
+            for i in range(runs):
+                r = run_client(venvs[side], side, *urls, BENCH_SPEC, requests, logdir)
+                if not r["verified"]:
+                    failures.append(f"bench {side} run {i}: {r['detail']}")
+                stores.append(r["store_p50_ms"])
+                retrieves.append(r["retrieve_p50_ms"])
+                print(
+                    f"      bench {side} ({'shm' if shm else 'copy'}) run {i + 1}/{runs}:"
+                    f" store p50 {r['store_p50_ms']:.1f} ms, retrieve p50"
+                    f" {r['retrieve_p50_ms']:.1f} ms, {r['detail']}",
+                    flush=True,
+                )
+        table[side] = {
+            "store_p50_ms": statistics.median(stores),
+            "retrieve_p50_ms": statistics.median(retrieves),
+            "store_runs_ms": stores,
+            "retrieve_runs_ms": retrieves,
+        }
+    t, o = table["theirs"], table["ours"]
+    table["store_speedup"] = t["store_p50_ms"] / o["store_p50_ms"]
+    table["retrieve_speedup"] = t["retrieve_p50_ms"] / o["retrieve_p50_ms"]
+    return table, failures
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--theirs", type=Path, required=True, help="venv with lmcache==0.5.6")
+    ap.add_argument("--ours", type=Path, required=True, help="venv with lmcache-core")
+    ap.add_argument("--requests", type=int, default=4, help="requests per cross-check run")
+    ap.add_argument("--bench", action="store_true", help="also run the side-by-side benchmark")
+    ap.add_argument("--bench-requests", type=int, default=8, help="requests per benchmark run")
+    ap.add_argument("--bench-runs", type=int, default=3, help="benchmark runs per side (median)")
+    ap.add_argument("--bench-shm", action="store_true", help="benchmark with --shm-name on both")
+    ap.add_argument("--logdir", type=Path, default=None, help="server logs and JSON (default: tmp)")
+    ap.add_argument("--json", type=Path, default=None, help="write the benchmark table here")
+    args = ap.parse_args(argv)
+    venvs = {"theirs": args.theirs.resolve(), "ours": args.ours.resolve()}
+    logdir = args.logdir or Path(tempfile.mkdtemp(prefix="lmcache-compat-"))
+    logdir.mkdir(parents=True, exist_ok=True)
+    print(f"compat: theirs={venvs['theirs']} ours={venvs['ours']} logs={logdir}", flush=True)
+    try:
+        failures = cross_check(venvs, logdir, args.requests)
+        if args.bench:
+            table, bench_failures = benchmark(
+                venvs, logdir, args.bench_requests, args.bench_runs, args.bench_shm
+            )
+            failures += bench_failures
+            t, o = table["theirs"], table["ours"]
+            print(
+                f"bench {BENCH_SPEC}, {NUM_TOKENS} tokens, engine_driven"
+                f" ({'shm' if args.bench_shm else 'copy'} path), median of {args.bench_runs} runs:\n"
+                f"  0.5.6: store p50 {t['store_p50_ms']:.1f} ms, retrieve p50 {t['retrieve_p50_ms']:.1f} ms\n"
+                f"  ours:  store p50 {o['store_p50_ms']:.1f} ms, retrieve p50 {o['retrieve_p50_ms']:.1f} ms\n"
+                f"  speed-up: store {table['store_speedup']:.2f}x, retrieve {table['retrieve_speedup']:.2f}x",
+                flush=True,
+            )
+            if args.json:
+                args.json.write_text(json.dumps(table, indent=2))
+    except CompatFailure as exc:
+        print(f"FAIL  {exc}", flush=True)
+        return 1
+    if failures:
+        print(f"compat: {len(failures)} failure(s): {failures}", flush=True)
+        return 1
+    print("compat: all checks passed", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
