@@ -13,6 +13,7 @@ nox -s vllm      (optional) instantiate the connector against vLLM's real base c
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -50,7 +51,13 @@ def install_torch(session: nox.Session) -> None:
 
 
 def install_everything(session: nox.Session, *, editable: bool = False) -> None:
-    """torch, then every package and example in one resolver run (local paths win)."""
+    """torch, then every package and example in one resolver run (local paths win).
+
+    GPU extensions are compiled only where a GPU driver is visible (or NO_GPU_EXT is set
+    explicitly): building CUDA kernels on a CPU-only host costs minutes and serves nothing.
+    """
+    if "NO_GPU_EXT" not in os.environ and not shutil.which("nvidia-smi"):
+        session.env["NO_GPU_EXT"] = "1"
     install_torch(session)
     targets: list[str] = []
     for path in [*package_dirs(), *example_dirs()]:
@@ -242,71 +249,58 @@ print("lmcache.devices.cuda._C built; native ops:", ops.multi_layer_block_kv_tra
 def compat(session: nox.Session) -> None:
     """Optional: our server against LMCache 0.5.6's client and the reverse (not part of tests).
 
-    Needs PyPI. This session's venv gets lmcache==0.5.6; our core goes into a second,
-    throwaway venv, so the two never share site-packages. Each side's own
-    `lmcache bench server` (an engine simulator that verifies every retrieved byte) runs
-    against the other side's `lmcache server`.
+    Needs PyPI. lmcache==0.5.6 declares CUDA-only requirements (cupy-cuda13x, cuda-python,
+    cufile-python, nvtx), so this session's venv gets CPU torch, lmcache==0.5.6 with --no-deps
+    and only the light packages its `lmcache server` and `lmcache bench server` import on CPU.
+    Our core goes into a second, throwaway venv, so the two never share site-packages.
+    tests/compat/compat_check.py then runs each side's `lmcache bench server` (an engine
+    simulator that compares every retrieved byte) against the other side's `lmcache server`,
+    on the copy path and over SHM, and fails on any mismatch. Arguments after `--` go to the
+    checker: `nox -s compat -- --bench` adds the side-by-side benchmark (docs/compat.md).
     """
-    import socket
-    import subprocess
     import tempfile
-    import time
 
-    def free_port() -> int:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
-
-    install_torch(session)
-    session.install("lmcache==0.5.6")
-    theirs = Path(session.virtualenv.bin) / "lmcache"
-    venv = Path(tempfile.mkdtemp(prefix="lmcache-ours-"))
-    session.run("python", "-m", "venv", str(venv), external=True)
-    session.run(str(venv / "bin" / "python"), "-m", "pip", "install", "-q", TORCH, external=True)
-    session.run(
-        str(venv / "bin" / "python"), "-m", "pip", "install", "-q", str(CORE), external=True
-    )
-    ours = venv / "bin" / "lmcache"
-    bench = [
-        "bench",
-        "server",
-        "--mode",
-        "cpu",
-        "--transfer-mode",
-        "engine_driven",
-        "--kvcache-shape-spec",
-        "(2,256,16,8,128):float16:4",
-        "--num-tokens",
-        "512",
+    # Found by starting 0.5.6's server and bench client on CPU until nothing was missing;
+    # the upper bounds are 0.5.6's own pins.
+    lmcache_056_cpu_deps = [
+        "msgspec",
+        "pyzmq>=25.0.0",
+        "blake3",
+        "numba",
+        "numpy<=2.2.6",
+        "prometheus_client>=0.18.0,<=0.24.1",
+        "opentelemetry-api>=1.20.0,<=1.40.0",
+        "opentelemetry-sdk>=1.20.0,<=1.40.0",
+        "opentelemetry-exporter-prometheus>=0.50b0,<=0.61b0",
+        "fastapi",
+        "uvicorn",
+        "httpx",
+        "requests",
+        "aiohttp",
+        "cryptography",
+        "psutil",
+        "pyyaml",
+        "sortedcontainers",
+        "cachetools",
+        "py-cpuinfo",
     ]
-    for server_cli, client_cli in ((ours, theirs), (theirs, ours)):
-        port, http_port = free_port(), free_port()
-        proc = subprocess.Popen(
-            [
-                str(server_cli),
-                "server",
-                "--l1-size-gb",
-                "1",
-                "--eviction-policy",
-                "LRU",
-                "--supported-transfer-mode",
-                "engine_driven",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "--http-port",
-                str(http_port),
-            ]
-        )
-        try:
-            time.sleep(15)
-            session.run(
-                str(client_cli), *bench, "--rpc-url", f"tcp://127.0.0.1:{port}", external=True
-            )
-        finally:
-            proc.terminate()
-            proc.wait(30)
+    install_torch(session)
+    session.install("--no-deps", "lmcache==0.5.6")
+    session.install(*lmcache_056_cpu_deps)
+    ours = Path(tempfile.mkdtemp(prefix="lmcache-ours-"))
+    session.run("python", "-m", "venv", str(ours), external=True)
+    py = str(ours / "bin" / "python")
+    session.run(py, "-m", "pip", "install", "-q", TORCH, external=True)
+    session.run(py, "-m", "pip", "install", "-q", str(CORE), external=True)
+    session.run(
+        "python",
+        str(ROOT / "tests" / "compat" / "compat_check.py"),
+        "--theirs",
+        session.virtualenv.location,
+        "--ours",
+        str(ours),
+        *session.posargs,
+    )
 
 
 @nox.session

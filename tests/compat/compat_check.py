@@ -27,9 +27,9 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 CHECK_SPEC = "(2,256,16,8,128):float16:4"  # 8 MiB per 512-token request: quick
 BENCH_SPEC = "(2,1024,16,8,128):float16:32"  # 64 MiB per 512-token request (issue 4)
@@ -175,7 +175,9 @@ def cross_check(venvs: dict[str, Path], logdir: Path, requests: int) -> list[str
             name = f"{client_side} client -> {server_side} server ({'shm' if shm else 'copy'})"
             try:
                 with running_server(venvs[server_side], server_side, logdir, shm=shm) as urls:
-                    r = run_client(venvs[client_side], client_side, *urls, CHECK_SPEC, requests, logdir)
+                    r = run_client(
+                        venvs[client_side], client_side, *urls, CHECK_SPEC, requests, logdir
+                    )
             except (CompatFailure, subprocess.TimeoutExpired) as exc:
                 print(f"FAIL  {name}: {exc}", flush=True)
                 failures.append(name)
@@ -226,7 +228,9 @@ def benchmark(
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--theirs", type=Path, required=True, help="venv with lmcache==0.5.6")
     ap.add_argument("--ours", type=Path, required=True, help="venv with lmcache-core")
     ap.add_argument("--requests", type=int, default=4, help="requests per cross-check run")

@@ -364,3 +364,67 @@ def test_concurrent_submitters(bridge):
     for t in ts:
         t.join()
     assert not errors
+
+
+def test_padding_applies_to_stores_only_short_value_loads():
+    """§1.3: a value written without padding (shorter than the slot) is a hit for a padding
+    bridge, which reads with the logical size; stores still send the full slot."""
+    c = FakeConnector()
+    a = NativeConnectorL2Adapter(c, max_capacity_gb=1.0, pad_buffers_to_alignment=True)
+    try:
+        c.data["model@00000000@0@00000001"] = bytes([5]) * 4000  # unpadded writer
+        dst = obj(4000, phy=4096)
+        assert load(a, [key(1)], [dst]).test(0) is True
+        assert bool(torch.all(dst.tensor == 5))
+        assert bool(torch.all(dst.raw_tensor[4000:] == 0xAB))  # slot tail untouched
+        store(a, [key(2)], [obj(4000, phy=4096, fill=3)])
+        assert c.sent_lengths == [4096]
+    finally:
+        a.close()
+
+
+def test_record_known_keys_and_known_key_sizes(bridge, conn):
+    stored = []
+
+    class L(L2AdapterListener):
+        def on_l2_keys_stored(self, keys, sizes):
+            stored.append((list(keys), list(sizes)))
+
+        def on_l2_keys_deleted(self, keys):
+            pass
+
+        def on_l2_keys_accessed(self, keys):
+            pass
+
+    bridge.register_listener(L())
+    store(bridge, [key(1)], [obj(400)])
+    assert bridge.record_known_keys([key(1), key(2)], [999, 300]) == [key(2)]
+    assert stored[-1] == ([key(2)], [300])  # key 1 keeps its first size, no event
+    assert dict(bridge.known_key_sizes()) == {key(1): 400, key(2): 300}
+    assert bridge.get_usage().total_bytes_used == 700
+    assert bridge.record_known_keys([key(2)], [300]) == []
+    with pytest.raises(ValueError, match="2 keys but 1 sizes"):
+        bridge.record_known_keys([key(3), key(4)], [1])
+    conn.data["model@00000000@0@00000002"] = b"x"  # the scanned file exists
+    bridge.delete([key(2)])
+    assert bridge.get_usage().total_bytes_used == 400
+
+
+def test_lock_ttl_expiry_lets_delete_proceed(monkeypatch):
+    from lmcache.v1.distributed.l2_adapters import utils
+
+    monkeypatch.setattr(utils, "L2_LOCK_TTL_SECONDS", 0.2)
+    c = FakeConnector()
+    a = NativeConnectorL2Adapter(c)
+    try:
+        store(a, [key(1)], [obj()])
+        _, bm = lookup(a, [key(1)])
+        assert bm.test(0) and a.lock_count(key(1)) == 1
+        a.delete([key(1)])
+        assert len(c.data) == 1  # locked: skipped
+        time.sleep(0.3)  # the unlock is lost; the TTL frees the key
+        assert a.lock_count(key(1)) == 0
+        a.delete([key(1)])
+        assert c.data == {}
+    finally:
+        a.close()

@@ -15,9 +15,12 @@ type_name="fs_native", pad_buffers_to_alignment=cfg.use_odirect)``.
 
 The bridge owns three notifiers (store, lookup, load) and a daemon demux thread
 (``l2-adapter-demux``) that polls the native fd and routes completions by future id. Keys become
-§1.2 strings; buffers become ``byte_array`` memoryviews (the full physical slot, tail zeroed,
-when padding is on). L2 locks are client-side refcounts with a 300 s TTL; ``delete`` skips
+§1.2 strings; buffers become ``byte_array`` memoryviews (for stores the full physical slot,
+tail zeroed, when padding is on; loads always use the logical bytes). L2 locks are client-side refcounts with a 300 s TTL; ``delete`` skips
 locked keys.
+
+Subclasses that discover existing keys (a start-up directory scan) use the public
+``record_known_keys(keys, sizes)`` and ``known_key_sizes()`` instead of the private size table.
 """
 
 from __future__ import annotations
@@ -111,9 +114,12 @@ class NativeConnectorL2Adapter(L2AdapterInterface):
 
     # --- submit path ------------------------------------------------------------------------
 
-    def _view(self, obj: MemoryObj) -> tuple[memoryview, int]:
+    def _view(self, obj: MemoryObj, pad: bool) -> tuple[memoryview, int]:
+        # Padding is for writes only (§1.3): a load gets the logical bytes, so a file written
+        # without padding (``fs``, 0.5.6, fs_native without O_DIRECT) that is shorter than the
+        # slot is still a hit; a longer, padded file is read for its first len(buffer) bytes.
         if (
-            self._pad
+            pad
             and isinstance(obj, TensorMemoryObj)
             and obj.get_physical_size() > obj.get_size()
         ):
@@ -140,7 +146,7 @@ class NativeConnectorL2Adapter(L2AdapterInterface):
         sizes: list[int] = []
         if objects is not None:
             for o in objects:
-                v, n = self._view(o)
+                v, n = self._view(o, pad=self._pad and op == "store")
                 views.append(v)
                 sizes.append(n)
         with self._lock:
@@ -306,6 +312,33 @@ class NativeConnectorL2Adapter(L2AdapterInterface):
                     if p.task_id == task_id and p.op == "delete":
                         del self._pending[fid]
             logger.warning("delete() timed out after 30s for %d keys", len(targets))
+
+    # --- public helpers for subclasses (e.g. fs_native's start-up scan) --------------------------
+
+    def record_known_keys(self, keys: list[ObjectKey], sizes: list[int]) -> list[ObjectKey]:
+        """Record keys that already exist in the backend (found by a start-up scan, say) with
+        the sizes they occupy, and fire ``on_l2_keys_stored`` for the ones not yet known.
+
+        Keys the bridge already knows keep their first size. Returns the newly recorded keys.
+        Later deletes report these sizes, so usage stays balanced.
+        """
+        if len(keys) != len(sizes):
+            raise ValueError(
+                f"record_known_keys: {len(keys)} keys but {len(sizes)} sizes; pass one size per key"
+            )
+        with self._lock:
+            fresh = [(k, int(s)) for k, s in zip(keys, sizes, strict=True) if k not in self._known]
+            for k, s in fresh:
+                self._known[k] = s
+        if fresh:
+            self._notify_keys_stored([k for k, _ in fresh], [s for _, s in fresh])
+        return [k for k, _ in fresh]
+
+    def known_key_sizes(self) -> list[tuple[ObjectKey, int]]:
+        """A snapshot of every key the bridge knows is stored, with its charged size (to replay
+        them to a listener registered late, for instance)."""
+        with self._lock:
+            return list(self._known.items())
 
     def lock_count(self, key: ObjectKey) -> int:
         return self._locks.count(key)

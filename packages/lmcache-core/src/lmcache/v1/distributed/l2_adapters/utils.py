@@ -15,8 +15,9 @@ L2_LOCK_TTL_SECONDS = 300.0
 class KeyLockTable:
     """Refcount locks per key that expire after a TTL, so a lost unlock cannot pin a key forever."""
 
-    def __init__(self, ttl_seconds: float = L2_LOCK_TTL_SECONDS) -> None:
-        self._ttl = ttl_seconds
+    def __init__(self, ttl_seconds: float | None = None) -> None:
+        # None reads the module constant at construction time (tests shorten it).
+        self._ttl = L2_LOCK_TTL_SECONDS if ttl_seconds is None else float(ttl_seconds)
         self._locks: dict[ObjectKey, TTLLock] = {}
         self._mu = threading.Lock()
 
