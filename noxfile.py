@@ -78,6 +78,7 @@ def tests(session: nox.Session) -> None:
         "psutil",
         "numpy",
         "pybind11>=2.12",
+        "scikit-build-core>=0.10",
     )
     args = session.posargs or ["tests"]
     session.run("python", "-m", "pytest", *args, env={"LMCACHE_TRACK_USAGE": "false"})

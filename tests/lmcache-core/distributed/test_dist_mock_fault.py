@@ -95,6 +95,26 @@ def test_mock_lookup_locks_block_delete_and_load_copies():
         a.close()
 
 
+def test_mock_lock_ttl_expiry_lets_delete_proceed(monkeypatch):
+    """A lost unlock cannot pin a key: after the TTL (300 s by default) delete() succeeds."""
+    from lmcache.v1.distributed.l2_adapters import utils
+
+    monkeypatch.setattr(utils, "L2_LOCK_TTL_SECONDS", 0.2)
+    a = MockL2Adapter(MockL2AdapterConfig(1.0, 100.0))
+    try:
+        store(a, [key(1)])
+        tid = a.submit_lookup_and_lock_task([key(1)])
+        assert wait(lambda: a.query_lookup_and_lock_result(tid)).test(0)
+        a.delete([key(1)])
+        assert a.debug_has_key(key(1))  # still locked
+        time.sleep(0.3)  # never unlocked; the lock expires
+        a.delete([key(1)])
+        assert not a.debug_has_key(key(1))
+        assert a.get_usage().total_bytes_used == 0
+    finally:
+        a.close()
+
+
 def fi_config(**kw) -> FaultInjectL2AdapterConfig:
     d = {
         "type": "fault_inject",
