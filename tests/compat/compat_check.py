@@ -153,7 +153,9 @@ def run_client(
         verified = res["total_requests"] == requests and res["checksum_fail"] == 0
         verified = verified and res["checksum_ok"] == requests
         detail = f"checksum_ok={res['checksum_ok']}/{res['total_requests']}"
-        store, retrieve = m["cold_store"]["cold_store_p50"], m["warm_retrieve"]["warm_retrieve_p50"]
+        # A section is missing when nothing of its kind ran (e.g. every "cold" store was a hit).
+        store = m.get("cold_store", {}).get("cold_store_p50", float("nan"))
+        retrieve = m.get("warm_retrieve", {}).get("warm_retrieve_p50", float("nan"))
     else:
         verified = proc.returncode == 0 and all(r["verified"] for r in m["results"])
         detail = f"verified={[r['verified'] for r in m['results']]} exit={proc.returncode}"
@@ -165,6 +167,108 @@ def run_client(
         "retrieve_p50_ms": float(retrieve),
         "output_tail": tail,
     }
+
+
+# Runs inside each side's venv (both have pyzmq and msgspec): sends the same raw frames to a
+# server and prints every reply as hex (None = no reply within 1.5 s). Nothing of either
+# side's client library is involved, so this compares the servers' bytes on the wire.
+PROBE_SRC = r"""
+import json, sys, time, zmq, msgspec
+enc = msgspec.msgpack.encode
+TOKENS = list(range(1, 513))
+def key(worker, rid, readers=1, end=512):
+    return {"model_name": "probe-model", "world_size": 1, "worker_id": worker,
+            "token_ids": TOKENS, "start": 0, "end": end, "request_id": rid,
+            "cache_salt": "", "request_configs": None, "num_kv_readers": readers}
+REG = {"instance_id": 4242, "model_name": "probe-model", "world_size": 1, "block_size": 16,
+       "num_layers": 2, "hidden_dim_size": 1024, "dtype_str": "float16", "use_mla": False,
+       "num_physical_slots": None}
+CASES = [
+    ("get_chunk_size as int 21", 21, []),
+    ("get_chunk_size by name", "get_chunk_size", []),
+    ("noop", 24, []),
+    ("get_experimental", 32, []),
+    ("ping(nil)", 22, [None]),
+    ("ping(unknown id)", 22, [777]),
+    ("lookup, no worker registered", 8, [key(None, "r-unreg"), 1]),
+    ("query_prefetch_status after it", 9, ["r-unreg"]),
+    ("query_prefetch_status again", 9, ["r-unreg"]),
+    ("query_prefetch_status unknown id", 9, ["r-never"]),
+    ("wait_prefetch_status unknown id", 10, ["r-never", 0.5]),
+    ("unknown op 999", 999, []),
+    ("noop after unknown op", 24, []),
+    ("register engine-driven context", 14, [REG]),
+    ("register engine-driven context again", 14, [REG]),
+    ("lookup before store", 8, [key(None, "r-miss"), 1]),
+    ("wait_prefetch_status miss", 10, ["r-miss", 5.0]),
+    ("prepare_store (copy path)", 16, [key(0, "r-store"), 4242]),
+    ("commit_store empty payload, copy path", 17, [key(0, "r-store"), 4242, b""]),
+    ("lookup with num_kv_readers=0", 8, [key(None, "r-old", readers=0), 1]),
+    ("end_session", 13, ["r-store"]),
+    ("free_lookup_locks start==end", 12, [key(None, "r-miss", end=0), 1]),
+    ("report_block_allocation", 23, [4242, "probe-model", []]),
+    ("clear(force=false)", 20, [False]),
+    ("unregister engine-driven context", 15, [4242]),
+    ("unregister it again", 15, [4242]),
+    ("unregister_kv_cache unknown id", 2, [4243]),
+]
+ctx = zmq.Context()
+sock = ctx.socket(zmq.DEALER)
+sock.connect(sys.argv[1])
+out = []
+for uid, (name, op, payloads) in enumerate(CASES):
+    sock.send_multipart([enc(uid), enc(op), *[enc(p) for p in payloads]])
+    frames = None
+    quiet = op in (999, 17) or name.startswith("lookup with")  # may get no reply
+    deadline = time.monotonic() + (1.5 if quiet else 10.0)
+    while frames is None and sock.poll(max(0.0, deadline - time.monotonic()) * 1000):
+        got = sock.recv_multipart()
+        if msgspec.msgpack.decode(got[0]) == uid:  # a late reply to an earlier case is skipped
+            frames = [f.hex() for f in got]
+    out.append({"case": name, "frames": frames})
+print(json.dumps(out))
+"""
+
+# Replies where we differ from 0.5.6 on purpose (docs/compat.md, protocol.md sections 5.3, 10).
+EXPECTED_DIFFERENCES = {
+    # Ours lists the negotiable features (error_replies, raw_payload_v1); 0.5.6 lists its own.
+    "get_experimental",
+    # 0.5.6 raises EOFError on an empty copy-path payload and never answers; ours says False.
+    "commit_store empty payload, copy path",
+}
+
+
+def _decode_frames(frames: list[str] | None) -> str:
+    if frames is None:
+        return "no reply"
+    return " | ".join(frames)
+
+
+def wire_probe(venvs: dict[str, Path], logdir: Path) -> list[str]:
+    """Send identical raw frames to both servers and compare the replies byte for byte."""
+    replies = {}
+    for side in ("theirs", "ours"):
+        with running_server(venvs[side], side, logdir, shm=False) as (rpc_url, _):
+            py = venvs[side] / "bin" / "python"
+            proc = subprocess.run(
+                [str(py), "-c", PROBE_SRC, rpc_url], capture_output=True, text=True, timeout=300
+            )
+            if proc.returncode:
+                raise CompatFailure(f"wire probe against {side} failed:\n{proc.stderr[-2000:]}")
+            replies[side] = json.loads(proc.stdout.strip().splitlines()[-1])
+    failures = []
+    for t, o in zip(replies["theirs"], replies["ours"], strict=True):
+        name = t["case"]
+        same = t["frames"] == o["frames"]
+        expected = name in EXPECTED_DIFFERENCES
+        status = "ok  " if same else ("diff" if expected else "FAIL")
+        line = f"{status}  wire: {name}: {_decode_frames(t['frames'])}"
+        if not same:
+            line += f"  (ours: {_decode_frames(o['frames'])})"
+            if not expected:
+                failures.append(f"wire: {name}")
+        print(line, flush=True)
+    return failures
 
 
 def cross_check(venvs: dict[str, Path], logdir: Path, requests: int) -> list[str]:
@@ -202,8 +306,10 @@ def benchmark(
     failures = []
     for side in ("theirs", "ours"):
         stores, retrieves = [], []
-        with running_server(venvs[side], side, logdir, shm=shm, l1_gb=4) as urls:
-            for i in range(runs):
+        for i in range(runs):
+            # A fresh server per run: 0.5.6's bench replays the same prompts every run, so
+            # on a warm server its "cold" stores would all be hits and nothing is measured.
+            with running_server(venvs[side], side, logdir, shm=shm, l1_gb=4) as urls:
                 r = run_client(venvs[side], side, *urls, BENCH_SPEC, requests, logdir)
                 if not r["verified"]:
                     failures.append(f"bench {side} run {i}: {r['detail']}")
@@ -234,7 +340,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--theirs", type=Path, required=True, help="venv with lmcache==0.5.6")
     ap.add_argument("--ours", type=Path, required=True, help="venv with lmcache-core")
     ap.add_argument("--requests", type=int, default=4, help="requests per cross-check run")
+    ap.add_argument("--wire-only", action="store_true", help="only the raw-frame comparison")
     ap.add_argument("--bench", action="store_true", help="also run the side-by-side benchmark")
+    ap.add_argument("--bench-only", action="store_true", help="only the benchmark")
     ap.add_argument("--bench-requests", type=int, default=8, help="requests per benchmark run")
     ap.add_argument("--bench-runs", type=int, default=3, help="benchmark runs per side (median)")
     ap.add_argument("--bench-shm", action="store_true", help="benchmark with --shm-name on both")
@@ -246,8 +354,10 @@ def main(argv: list[str] | None = None) -> int:
     logdir.mkdir(parents=True, exist_ok=True)
     print(f"compat: theirs={venvs['theirs']} ours={venvs['ours']} logs={logdir}", flush=True)
     try:
-        failures = cross_check(venvs, logdir, args.requests)
-        if args.bench:
+        failures = [] if args.bench_only else wire_probe(venvs, logdir)
+        if not (args.wire_only or args.bench_only):
+            failures += cross_check(venvs, logdir, args.requests)
+        if args.bench or args.bench_only:
             table, bench_failures = benchmark(
                 venvs, logdir, args.bench_requests, args.bench_runs, args.bench_shm
             )

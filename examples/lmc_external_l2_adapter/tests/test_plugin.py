@@ -8,7 +8,7 @@ import select
 import pytest
 import torch
 
-from lmc_external_l2_adapter import InMemoryL2Adapter, InMemoryL2AdapterConfig
+from lmc_external_l2_adapter import InMemoryL2Adapter
 from lmcache.v1.distributed.api import ObjectKey
 from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface
 from lmcache.v1.distributed.l2_adapters.config import (
@@ -152,11 +152,14 @@ def test_mixed_lookup(adapter):
     assert bm.test(1) is False
 
 
-def test_fifo_eviction_at_capacity():
-    a = InMemoryL2Adapter(
-        InMemoryL2AdapterConfig(max_size_gb=10240 / (1 << 30), mock_bandwidth_gb=10.0)
+@pytest.mark.parametrize("spec", [RAW, WITH_CLASS], ids=["raw-dict", "config-class"])
+def test_fifo_eviction_at_capacity(spec):
+    params = {**spec["adapter_params"], "max_size_gb": 10240 / (1 << 30), "mock_bandwidth_gb": 10.0}
+    a = create_l2_adapter_from_registry(
+        PluginL2AdapterConfig.from_dict({**spec, "adapter_params": params})
     )
     try:
+        assert isinstance(a, InMemoryL2Adapter)
         k1, k2, k3 = make_key(7), make_key(8), make_key(9)
         _store(a, [k1], [make_obj()])
         _store(a, [k2], [make_obj()])

@@ -32,6 +32,9 @@ from lmcache.v1.distributed.l2_adapters.config import (
     parse_l2_adapter_dict,
 )
 from lmcache.v1.distributed.l2_adapters.key_codec import object_key_to_string
+from lmcache.v1.distributed.l2_adapters.native_connector_l2_adapter import (
+    NativeConnectorL2Adapter,
+)
 from lmcache.v1.distributed.storage_manager import StorageManager
 
 EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "lmc_external_l2_adapter"
@@ -110,13 +113,38 @@ def test_native_style_connector_through_native_plugin():
     sm = make_sm(NATIVE)
     try:
         bridge = sm.get_l2_adapters()[0]
-        client = bridge._client
-        assert isinstance(client, PyMemoryConnector)
-        round_trip(sm, lambda: len(client.keys()))
-        assert sorted(client.keys()) == sorted(object_key_to_string(key(i)) for i in range(4))
+        assert isinstance(bridge, NativeConnectorL2Adapter)
+        status = bridge.report_status()
+        assert status["type_name"] == PyMemoryConnector.__name__ and status["is_healthy"]
+        round_trip(sm, lambda: len(bridge.known_key_sizes()))
+        assert dict(bridge.known_key_sizes()) == {key(i): 4096 for i in range(4)}
         assert bridge.get_usage().usage_fraction == pytest.approx(4 * 4096 / (0.01 * (1 << 30)))
     finally:
         sm.close()
+
+
+def test_bridge_sends_native_key_strings_to_the_connector():
+    """The connector sees §1.2 strings; built through the bridge's public constructor."""
+    client = PyMemoryConnector(num_workers=2)
+    bridge = NativeConnectorL2Adapter(client, max_capacity_gb=0.01)
+    try:
+        keys = [key(i) for i in range(3)]
+        src = [torch.arange(1024, dtype=torch.float32) + i for i in range(3)]
+        objs = [_tensor_obj(t) for t in src]
+        tid = bridge.submit_store_task(keys, objs)
+        done: dict = {}
+        eventually(lambda: done.update(bridge.pop_completed_store_tasks()) or tid in done)
+        assert done[tid].is_successful()
+        assert sorted(client.keys()) == sorted(object_key_to_string(k) for k in keys)
+    finally:
+        bridge.close()
+
+
+def _tensor_obj(t: torch.Tensor):
+    from lmcache.v1.memory_management import MemoryObjMetadata, TensorMemoryObj
+
+    meta = MemoryObjMetadata(torch.Size([1024]), torch.float32, 0, 4096, 1)
+    return TensorMemoryObj(t, meta)
 
 
 def test_config_file_example_parses():

@@ -74,6 +74,9 @@ def test_parsers_accept_0x_prefix():
         "llama@0x000000ff@0@00010203@bad\\salt.data",  # invalid salt
         "llama@0x000000ff@0@00010203@.data",  # empty salt field
         "llama@0x000000ff@0@00010203",  # no .data
+        "a@0x0@0@.data",  # empty hash field
+        "a@0x0@0@0x.data",  # empty hash after the 0x prefix
+        "a@0x0@0@@s.data",  # empty hash with a salt
     ],
 )
 def test_foreign_file_names_give_none(name):
@@ -81,7 +84,16 @@ def test_foreign_file_names_give_none(name):
 
 
 @pytest.mark.parametrize(
-    "s", ["a@b@c", "llama@000000ff@0@00010203@s@x", "llama@zz@0@00", "@1@0@00"]
+    "s",
+    [
+        "a@b@c",
+        "llama@000000ff@0@00010203@s@x",
+        "llama@zz@0@00",
+        "@1@0@00",
+        "a@0@0@",  # empty hash field
+        "a@0@0@0x",
+        "a@0@0@@salt",
+    ],
 )
 def test_foreign_strings_give_none(s):
     assert string_to_object_key(s) is None

@@ -319,3 +319,36 @@ def test_concurrent_writers_and_readers_keep_invariants():
         assert l1.memcheck()
     finally:
         l1.close()
+
+
+def test_lazy_l1_commits_next_region_before_demand_eviction():
+    """§3.5: a lazy L1 whose committed prefix is full commits the next region instead of
+    evicting resident keys (the background grower is off, so only the write path grows it)."""
+    from lmcache.v1.distributed.l1_memory import L1Allocator
+
+    alloc = L1Allocator(
+        16 * 4096,
+        4096,
+        lazy=True,
+        init_size=4 * 4096,
+        commit_step=4 * 4096,
+        grow_in_background=False,
+    )
+    mem = L1MemoryManagerConfig(16 * 4096, use_lazy=True, align_bytes=4096, shm_name="")
+    l1 = L1Manager(L1ManagerConfig(mem), allocator=alloc)
+    rec = Recorder()
+    l1.register_listener(rec)
+    L1EvictionController(l1, EvictionConfig("LRU", trigger_watermark=0.99), interval_s=60)
+    try:
+        assert alloc.committed_size == 4 * 4096 < alloc.size
+        write(l1, [key(i) for i in range(4)], value=3.0)  # the committed prefix is full
+        res = l1.reserve_write([key(10)], [False], LAYOUT)
+        assert res[key(10)][0] is S
+        assert alloc.committed_size > 4 * 4096
+        assert all(l1.contains(key(i)) for i in range(4))  # nothing was demand-evicted
+        assert not [e for e in rec.events if e[0] == "on_l1_keys_deleted_by_manager"]
+        assert l1.report_status()["demand_evicted_keys"] == 0
+        assert l1.finish_write([key(10)])[key(10)] is S
+        assert l1.memcheck()
+    finally:
+        l1.close()

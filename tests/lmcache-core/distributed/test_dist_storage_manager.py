@@ -724,7 +724,7 @@ def test_store_and_prefetch_race_on_same_keys():
     def writer(seed: int) -> None:
         try:
             for _ in range(15):
-                write(sm, keys, value=7.0)
+                write(sm, keys)  # key(i) holds float(i): a swapped buffer is noticed
                 sm.delete_l1_keys(keys[seed::4])
         except BaseException as exc:
             errors.append(exc)
@@ -736,9 +736,9 @@ def test_store_and_prefetch_race_on_same_keys():
                 n = r.hit_prefix_length()
                 owners = r.l1_owners[0][:n]
                 with sm.read_prefetched_results(keys[:n], owners) as objs:
-                    assert objs is not None
-                    for o in objs:
-                        assert o.tensor[0].item() == 7.0
+                    assert objs is not None and len(objs) == n
+                    for i, o in enumerate(objs):
+                        assert bool(torch.all(o.tensor == float(i))), (i, o.tensor[0].item())
                 sm.finish_read_prefetched(keys[:n], 1, owners)
         except BaseException as exc:
             errors.append(exc)
@@ -750,11 +750,136 @@ def test_store_and_prefetch_race_on_same_keys():
             t.start()
         for t in threads:
             t.join(timeout=120)
+        assert not any(t.is_alive() for t in threads), "a worker thread hung"
         assert not errors, errors
         l1 = sm.get_l1_manager()
         eventually(lambda: l1.report_status()["pinned_bytes"] == 0)
         eventually(lambda: l1.report_status()["read_locked_count"] == 0)
         assert l1.memcheck() and a.locked() == 0
+    finally:
+        sm.close()
+
+
+def _fill_l2(a: ScriptedAdapter, keys) -> None:
+    """Put key i into L2 holding float(i), as the store path would have written it."""
+    for i, k in enumerate(keys):
+        a.data[k] = torch.full((1024,), float(i), dtype=torch.float32).numpy().tobytes()
+
+
+def test_l1_without_room_for_all_staging_replans_to_a_shorter_prefix():
+    """§4.4 step 4: L1 holds 2 of 5 cells; the plan shrinks to a prefix of 2, the L2 locks of
+    the cells that could not be reserved are dropped and no staging is left behind."""
+    a = ScriptedAdapter()
+    sm = make_sm([scripted(a)], slots=2)
+    try:
+        keys = [key(i) for i in range(5)]
+        _fill_l2(a, keys)
+        r = prefetch(sm, spec(keys))
+        assert r.hit_prefix_length() == 2 and repr(r.hit_cells[0]) == "11000"
+        assert [a.locks.get(k, 0) for k in keys[2:]] == [0, 0, 0]  # unlocked in L2
+        assert a.load_calls == [keys[:2]]  # nothing past the prefix was loaded
+        l1 = sm.get_l1_manager()
+        assert l1.get_staging_memory_usage() == 0
+        assert l1.report_status()["write_locked_count"] == 0
+        with sm.read_prefetched_results(keys[:2], r.l1_owners[0][:2]) as objs:
+            assert [o.tensor[0].item() for o in objs] == [0.0, 1.0]
+        sm.finish_read_prefetched(keys[:2], 1, r.l1_owners[0][:2])
+        assert a.locked() == 0 and l1.keys() == [] and l1.memcheck()
+    finally:
+        sm.close()
+
+
+def test_replan_deletes_staging_the_new_plan_drops():
+    """Two groups: group 0 reserves all 5 cells, group 1 only 2 (7 slots), so the prefix is 2
+    and the staged group-0 cells 2-4 are deleted again (finish_write_and_delete)."""
+    a = ScriptedAdapter()
+    sm = make_sm([scripted(a)], slots=7)
+    try:
+        g0 = [key(i) for i in range(5)]
+        g1 = [key(100 + i) for i in range(5)]
+        _fill_l2(a, g0)
+        _fill_l2(a, g1)
+        s = PrefetchTaskSpec([GroupedObjectKeys(g0, 0, LAYOUT), GroupedObjectKeys(g1, 1, LAYOUT)])
+        r = prefetch(sm, s)
+        assert r.hit_prefix_length() == 2
+        assert [repr(b) for b in r.hit_cells] == ["11000", "11000"]
+        assert all(a.locks.get(k, 0) == 0 for k in g0[2:] + g1[2:])
+        assert sorted(k.chunk_hash for c in a.load_calls for k in c) == sorted(
+            k.chunk_hash for k in g0[:2] + g1[:2]
+        )
+        l1 = sm.get_l1_manager()
+        assert l1.get_staging_memory_usage() == 0
+        assert set(l1.keys()) == set(g0[:2] + g1[:2])  # dropped staging is gone
+        sm.finish_read_prefetched(g0[:2], 1, r.l1_owners[0][:2])
+        sm.finish_read_prefetched(g1[:2], 1, r.l1_owners[1][:2])
+        assert a.locked() == 0 and l1.keys() == [] and l1.memcheck()
+    finally:
+        sm.close()
+
+
+def make_two_l1_sm(adapters=(), slots0: int = 2, slots1: int = 8) -> StorageManager:
+    def l1cfg(slots: int, tag: str) -> L1ManagerConfig:
+        mem = L1MemoryManagerConfig(slots * 4096, use_lazy=False, align_bytes=4096, shm_name="")
+        return L1ManagerConfig(mem, tag=tag)
+
+    first = l1cfg(slots0, L1ManagerConfig.__dataclass_fields__["tag"].default)
+    cfg = StorageManagerConfig(
+        first,
+        EvictionConfig("noop"),
+        L2AdaptersConfig(list(adapters)),
+        extra_l1_manager_configs=[l1cfg(slots1, "second")],
+    )
+    return StorageManager(cfg, eviction_interval_s=60)
+
+
+def test_multi_l1_oom_falls_through_and_finish_by_owner():
+    """§2.2/§4.1: keys that do not fit the first L1 go to the next; completion is grouped by
+    the L1 that reserved each key."""
+    sm = make_two_l1_sm()
+    try:
+        keys = [key(i) for i in range(5)]
+        objs = sm.reserve_write(keys, LAYOUT)
+        assert set(objs) == set(keys)
+        groups = sm.prepare_write_completion(keys)
+        assert groups == {0: keys[:2], 1: keys[2:]}
+        for i, k in enumerate(keys):
+            objs[k].tensor.fill_(float(i))
+        res = sm.finish_write_by_owner(groups)
+        assert set(res) == set(keys) and all(e.name == "SUCCESS" for e in res.values())
+        l1a, l1b = sm.get_l1_manager(0), sm.get_l1_manager(1)
+        assert set(l1a.keys()) == set(keys[:2]) and set(l1b.keys()) == set(keys[2:])
+        assert key(9) in sm.reserve_write([key(9)], LAYOUT)  # L1 #0 is full, #1 has room
+        assert sm.prepare_write_completion([key(9)]) == {1: [key(9)]}
+        sm.abort_write([key(9)])
+        assert not l1b.contains(key(9)) and l1b.get_staging_memory_usage() == 0
+        r = prefetch(sm, spec(keys))
+        assert repr(r.hit_cells[0]) == "11111" and r.l1_owners == [[0, 0, 1, 1, 1]]
+        with sm.read_prefetched_results(keys, r.l1_owners[0]) as got:
+            assert [o.tensor[0].item() for o in got] == [0.0, 1.0, 2.0, 3.0, 4.0]
+        sm.finish_read_prefetched(keys, 1, r.l1_owners[0])
+        assert not any(l1a.is_read_locked(k) or l1b.is_read_locked(k) for k in keys)
+        assert sm.memcheck()
+    finally:
+        sm.close()
+
+
+def test_multi_l1_lowest_index_serves_a_cell_held_by_both():
+    sm = make_two_l1_sm(slots0=4)
+    try:
+        k = key(7)
+        for li, value in ((1, 1.0), (0, 0.0)):  # the same key resident in both L1s
+            l1 = sm.get_l1_manager(li)
+            obj = l1.reserve_write([k], [False], LAYOUT)[k][1]
+            obj.tensor.fill_(value)
+            l1.finish_write([k])
+        r = prefetch(sm, spec([k]))
+        assert r.l1_owners == [[0]]
+        assert sm.get_l1_manager(0).is_read_locked(k)
+        assert not sm.get_l1_manager(1).is_read_locked(k)  # the unplanned copy was released
+        with sm.read_prefetched_results([k], r.l1_owners[0]) as got:
+            assert got[0].tensor[0].item() == 0.0
+        sm.finish_read_prefetched([k], 1, r.l1_owners[0])
+        assert not sm.get_l1_manager(0).is_read_locked(k)
     finally:
         sm.close()
 
@@ -851,20 +976,43 @@ def test_broken_plugin_at_start_unwinds_everything(tmp_path):
     assert not os.path.exists(f"/dev/shm/lmcache_l1_pool_{name}")  # and the L1 segment removed
 
 
-def test_broken_plugin_added_at_runtime_leaves_others_working():
+_RAISING_PLUGIN = """
+from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface
+
+
+class RaisingInitAdapter(L2AdapterInterface):
+    def __init__(self, config):
+        raise RuntimeError("plugin backend unreachable")
+
+
+for _name in sorted(L2AdapterInterface.__abstractmethods__):
+    setattr(RaisingInitAdapter, _name, lambda self, *a, **k: None)
+RaisingInitAdapter.__abstractmethods__ = frozenset()
+"""
+
+
+def test_broken_plugin_added_at_runtime_leaves_others_working(tmp_path, monkeypatch):
+    import os
+
     from lmcache.v1.distributed.l2_adapters.plugin_l2_adapter import PluginL2AdapterConfig
 
+    mod = f"t_raising_plugin_{os.getpid()}"
+    (tmp_path / f"{mod}.py").write_text(_RAISING_PLUGIN)
+    monkeypatch.syspath_prepend(str(tmp_path))
     a = ScriptedAdapter()
     sm = make_sm([scripted(a)])
     try:
+        fds_before = len(os.listdir("/proc/self/fd"))
         for bad, exc in [
             (PluginL2AdapterConfig("no_such_plugin_mod", "X"), ImportError),
             (PluginL2AdapterConfig("json", "loads"), TypeError),
             (PluginL2AdapterConfig("json", "Missing"), AttributeError),
+            (PluginL2AdapterConfig(mod, "RaisingInitAdapter"), RuntimeError),
         ]:
             with pytest.raises(exc):
                 sm.add_l2_adapter(bad)
         assert len(sm.get_l2_adapters()) == 1
+        assert len(os.listdir("/proc/self/fd")) <= fds_before  # nothing half-registered
         write(sm, [key(1)])
         eventually(lambda: key(1) in a.data)
         sm.delete_l1_keys([key(1)])

@@ -49,7 +49,8 @@ def _parse(parts: list[str], model: str) -> ObjectKey | None:
     h = parts[3]
     if h[:2] in ("0x", "0X"):
         h = h[2:]
-    if rank is None or gid is None or len(h) % 2 or (h and _hex_int(h) is None):
+    # An empty hash field names no chunk: a foreign name, not a key with chunk_hash=b"".
+    if rank is None or gid is None or not h or len(h) % 2 or _hex_int(h) is None:
         return None
     salt = parts[4] if len(parts) == 5 else ""
     if len(parts) == 5 and not salt:
