@@ -462,7 +462,9 @@ class Engine:
         return held
 
     # -- one engine step -------------------------------------------------------------------
-    def step(self) -> SchedulerOutput:
+    def step(self, before_workers: Any = None) -> SchedulerOutput:
+        """One engine step; ``before_workers()`` (optional) runs between the scheduler's
+        ``build_connector_meta`` and the workers' half (e.g. to stop the server there)."""
         new_reqs: list[NewRequestData] = []
         cached = CachedRequestData()
         num_sched: dict[str, int] = {}
@@ -555,6 +557,8 @@ class Engine:
         so.kv_connector_metadata = meta
         self.metas.append(meta)
         wire_meta = pickle.loads(pickle.dumps(meta))  # vLLM ships it to worker processes
+        if before_workers is not None:
+            before_workers()
 
         sending_all: set[str] = set()
         recving_all: set[str] = set()

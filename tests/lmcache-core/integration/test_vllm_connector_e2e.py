@@ -213,13 +213,36 @@ def test_abort_before_the_lookup_result_frees_locks(server, engines):
     assert_no_locks(server)
 
 
+def spy_ops(adapter) -> list[str]:
+    """Record the op name of every request ``adapter`` sends (the real link still sends it)."""
+    sent: list[str] = []
+    real = adapter.link.submit
+
+    def submit(op, *payloads):
+        sent.append(op)
+        return real(op, *payloads)
+
+    adapter.link.submit = submit
+    return sent
+
+
 def test_eager_prefetch_sends_the_lookup_on_new_request(server, engines):
     prompt = tokens(600, seed=11)
     store_prompt(engines, prompt)
+    lazy = engines()
+    lazy_sent = spy_ops(lazy.scheduler.scheduler_adapter)
+    lazy.add_request("l", prompt)
+    assert lazy_sent == []  # without eager_prefetch the lookup waits for the scheduler
     warm = engines(extra={"lmcache.mp.eager_prefetch": "true"})
+    adapter = warm.scheduler.scheduler_adapter
+    sent = spy_ops(adapter)
     warm.add_request("e", prompt)
-    time.sleep(0.3)
+    # on_new_request itself sent the lookup, before any scheduler step ran
+    assert not warm.metas and "e" not in warm.match_results
+    assert sent[:1] == ["lookup"]
+    assert adapter.trackers["e"].lookup_future is not None
     warm.run()
+    assert sent.count("lookup") == 1  # the scheduler's first call did not look up again
     assert warm.match_results["e"][-1] == (512, True)
     assert warm.loaded_ok["e"] == 512
     assert_no_locks(server)
@@ -239,8 +262,12 @@ def test_blocking_lookup_status_mode(server, engines):
     prompt = tokens(600, seed=14)
     store_prompt(engines, prompt)
     warm = engines(extra={"lmcache.mp.nonblocking_lookup_status": "false"})
+    sent = spy_ops(warm.scheduler.scheduler_adapter)
     warm.add_request("w", prompt)
     warm.run()
+    # the status is asked with the server-side wait, and only after the lookup
+    assert "query_prefetch_status" not in sent
+    assert sent.index("lookup") < sent.index("wait_prefetch_status")
     assert warm.match_results["w"][-1] == (512, True)
     assert warm.loaded_ok["w"] == 512
     assert_no_locks(server)
@@ -504,3 +531,45 @@ def test_not_registered_reply_reregisters_at_once(server, engines):
     e.run()
     assert e.loaded_ok["nr3"] == 512
     assert_no_locks(server)
+
+
+def active_sessions(srv) -> int:
+    return int(httpx.get(srv.http_url + "/status", timeout=5).json()["active_sessions"])
+
+
+def test_request_finished_ends_the_server_sessions(lmcache_server, engines):
+    """Checklist 8: request_finished sends end_session, so no session outlives its request."""
+    srv = lmcache_server()  # its own server: /status counts every session on it
+    prompt = tokens(600, seed=60)
+    e = engines(port=srv.port)
+    sent = spy_ops(e.scheduler.scheduler_adapter)
+    e.add_request("cold", prompt)  # lookup (miss) and stores
+    e.run()
+    e.add_request("warm", prompt)  # lookup (hit) and retrieve
+    e.run()
+    assert e.loaded_ok["warm"] == 512
+    e.add_request("gone", tokens(600, seed=61))
+    e.step()  # its lookup is out...
+    e.abort("gone")  # ...when the client aborts it
+    e.run()
+    assert sent.count("end_session") == 3
+    assert wait_until(lambda: active_sessions(srv) == 0, timeout=5), active_sessions(srv)
+    assert_no_locks(srv)
+
+
+def test_retrieve_while_the_server_is_down_fails_as_a_load_error(lmcache_server, engines):
+    """Checklist 10: the lookup hit, then the server died before the workers loaded."""
+    srv = lmcache_server()
+    prompt = tokens(600, seed=62)
+    store_prompt(engines, prompt, port=srv.port)
+    extra = {"lmcache.mp.heartbeat_interval": "0.5", "lmcache.mp.mq_timeout": "5"}
+    e = engines(port=srv.port, extra=extra)
+    req = e.add_request("lost", prompt)
+    assert wait_until(lambda: e.scheduler.get_num_new_matched_tokens(req, 0)[0] is not None)
+    e.step(before_workers=srv.stop)  # scheduled the RETRIEVE; the server is gone before it runs
+    assert [r.direction for r in e.metas[-1].requests] == ["RETRIEVE"]
+    e.run()  # nothing blocks and nothing raises
+    assert e.load_failed == {"lost"}  # vLLM was told which blocks did not load...
+    assert "lost" not in e.loaded_ok
+    assert e.requests["lost"].status == "finished"  # ...recomputed them and finished
+    assert not e.holding and len(e.free_blocks) == e.num_blocks - 1  # every block released

@@ -158,6 +158,7 @@ class _Poller:
         self._monitors: dict[zmq.Socket, MPClient] = {}
         self._to_add: list[MPClient] = []
         self._to_remove: list[tuple[MPClient, threading.Event]] = []
+        self._to_rearm: list[MPClient] = []
         self._refs = 0
         self._stop = False
         self._wake_r = self.ctx.socket(zmq.PAIR)
@@ -207,6 +208,12 @@ class _Poller:
         self.wake()
         done.wait(timeout=5)
 
+    def rearm(self, client: MPClient) -> None:
+        """Watch ``client``'s FD again (it was parked while a caller received itself)."""
+        with self._lock:
+            self._to_rearm.append(client)
+        self.wake()
+
     def kick(self, client: MPClient) -> None:
         """``client`` has queued frames the thread must send."""
         self._outbox.append(client)
@@ -215,6 +222,7 @@ class _Poller:
     def _run(self) -> None:
         poller = zmq.Poller()
         poller.register(self._wake_r, zmq.POLLIN)
+        parked: set[int] = set()
         while True:
             events = dict(poller.poll(100))
             if self._wake_r in events:
@@ -226,6 +234,17 @@ class _Poller:
             with self._lock:
                 adds, self._to_add = self._to_add, []
                 removes, self._to_remove = self._to_remove, []
+                rearms, self._to_rearm = self._to_rearm, []
+            for c in rearms:
+                with c._io_lock:
+                    if c._fd is None or c._fd not in self._clients:
+                        continue
+                    if c._fd not in parked:
+                        continue
+                    parked.discard(c._fd)
+                    poller.register(c._fd, zmq.POLLIN)
+                    replies = c._flush_and_drain()
+                c._on_replies(replies)
             for c in adds:
                 with c._io_lock:
                     c._open(self.ctx)
@@ -245,6 +264,12 @@ class _Poller:
             for key in events:
                 c = self._clients.get(key) if isinstance(key, int) else None
                 if c is not None:
+                    if c._park_if_waited():
+                        # a caller is receiving itself; stop watching until it is done,
+                        # or this thread would steal (or spin on) its reply
+                        poller.unregister(key)
+                        parked.add(key)
+                        continue
                     with c._io_lock:
                         replies = c._flush_and_drain()
                     c._on_replies(replies)
@@ -253,7 +278,10 @@ class _Poller:
             for c, done in removes:
                 with c._io_lock:
                     if c._fd is not None and c._fd in self._clients:
-                        poller.unregister(c._fd)
+                        if c._fd in parked:
+                            parked.discard(c._fd)
+                        else:
+                            poller.unregister(c._fd)
                         del self._clients[c._fd]
                     if c._monitor is not None and c._monitor in self._monitors:
                         poller.unregister(c._monitor)
@@ -294,6 +322,9 @@ class MPClient:
         self._outq: collections.deque[list[bytes]] = collections.deque()
         self._sockets_closed = False
         self._closed = False
+        self._fast_lock = threading.Lock()
+        self._fast_waiters = 0
+        self._parked = False
         self._poller = _Poller.acquire()
         self._poller.add(self)
 
@@ -365,14 +396,14 @@ class MPClient:
             except zmq.ZMQError as exc:
                 self._fail(frames, exc)
         replies = []
-        while True:
-            try:
+        try:
+            # EVENTS also re-arms the edge-triggered FD; cheaper than recv raising EAGAIN
+            while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                 replies.append(sock.recv_multipart(zmq.NOBLOCK, copy=False))
-            except zmq.Again:
-                return replies
-            except zmq.ZMQError as exc:
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EAGAIN:
                 logger.warning("receive from %s failed: %s", self.url, exc)
-                return replies
+        return replies
 
     def _on_replies(self, replies: list[list[zmq.Frame]]) -> None:
         for frames in replies:
@@ -387,23 +418,42 @@ class MPClient:
         other one won the race between our check and our poll.
         """
         fd = self._fd
-        if fd is None:
+        if fd is None or _FAST_WAIT_S <= 0:
             return
         budget = _FAST_WAIT_S if timeout is None else min(_FAST_WAIT_S, max(0.0, timeout))
         end = time.monotonic() + budget
         p = select.poll()
         p.register(fd, select.POLLIN)
-        while not fut._event.is_set():
-            left = end - time.monotonic()
-            if left <= 0:
-                return
-            if not p.poll(min(left, _FAST_SLICE_S) * 1000.0):
-                continue
-            with self._io_lock:
-                if self._fd != fd:
-                    return  # closed meanwhile; result() reports it
-                replies = self._flush_and_drain()
-            self._on_replies(replies)
+        with self._fast_lock:
+            self._fast_waiters += 1
+        try:
+            while not fut._event.is_set():
+                left = end - time.monotonic()
+                if left <= 0:
+                    return
+                if not p.poll(min(left, _FAST_SLICE_S) * 1000.0):
+                    continue
+                with self._io_lock:
+                    if self._fd != fd:
+                        return  # closed meanwhile; result() reports it
+                    replies = self._flush_and_drain()
+                self._on_replies(replies)
+        finally:
+            with self._fast_lock:
+                self._fast_waiters -= 1
+                rearm = self._fast_waiters == 0 and self._parked
+                if rearm:
+                    self._parked = False
+            if rearm:
+                self._poller.rearm(self)
+
+    def _park_if_waited(self) -> bool:
+        """Polling thread: True (and parked) when a caller is receiving in ``_wait_fast``."""
+        with self._fast_lock:
+            if self._fast_waiters > 0:
+                self._parked = True
+                return True
+            return False
 
     def _on_reply(self, frames: list[zmq.Frame]) -> None:
         if len(frames) not in (2, 3):

@@ -114,6 +114,9 @@ class MPCacheServer:
             self._flush(sock)
             if sock in events:
                 for _ in range(256):  # bounded batch, then flush replies again
+                    # EVENTS instead of recv raising EAGAIN: no exception per request
+                    if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                        break
                     try:
                         frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
                     except zmq.Again:

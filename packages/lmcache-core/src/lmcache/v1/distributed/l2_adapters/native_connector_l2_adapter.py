@@ -118,11 +118,7 @@ class NativeConnectorL2Adapter(L2AdapterInterface):
         # Padding is for writes only (§1.3): a load gets the logical bytes, so a file written
         # without padding (``fs``, 0.5.6, fs_native without O_DIRECT) that is shorter than the
         # slot is still a hit; a longer, padded file is read for its first len(buffer) bytes.
-        if (
-            pad
-            and isinstance(obj, TensorMemoryObj)
-            and obj.get_physical_size() > obj.get_size()
-        ):
+        if pad and isinstance(obj, TensorMemoryObj) and obj.get_physical_size() > obj.get_size():
             full = obj.physical_byte_array()
             logical = obj.get_size()
             full[logical:] = bytes(len(full) - logical)  # never ship stale allocator bytes
