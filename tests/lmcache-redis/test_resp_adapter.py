@@ -120,6 +120,27 @@ def test_pipelined_batches_of_many_keys(h, adapters, redis_server):
     assert all(bytes(o.byte_array) == bytes(d.byte_array) for o, d in zip(objs, dst, strict=False))
 
 
+def test_large_values_split_windows_and_stay_in_sync(h, adapters, redis_server):
+    """Windows also end at 1 MiB of values: a mix of values above, at and below that bound on
+    one connection must round-trip byte-exactly, and a wrong-size value inside a large window
+    misses only that key."""
+    a = h.build("resp", host="127.0.0.1", port=redis_server.port, num_workers=1, pipeline_depth=16)
+    adapters.append(a)
+    sizes = [3 << 19, 10, 1 << 20, 300_000, 300_000, 300_000, 300_000, 7, 1 << 19, 1 << 19, 5]
+    keys = [h.key(i) for i in range(len(sizes))]
+    objs = [h.make_obj(n, seed=i) for i, n in enumerate(sizes)]
+    assert h.store(a, keys, objs).bytes_transferred() == sum(sizes)
+    raw = redis_server.client()
+    assert raw.cmd("STRLEN", object_key_to_string(keys[0])) == 3 << 19
+    dst = [h.empty_like(o) for o in objs]
+    dst[4] = h.make_obj(300_001)  # wrong size: a miss for this key only
+    bm = h.load(a, keys, dst)
+    assert [bm.test(i) for i in range(len(sizes))] == [i != 4 for i in range(len(sizes))]
+    for i, (o, d) in enumerate(zip(objs, dst, strict=False)):
+        if i != 4:
+            assert bytes(o.byte_array) == bytes(d.byte_array)
+
+
 def test_delete_skips_locked_keys_and_updates_usage(h, adapters, redis_server):
     a = _resp(h, redis_server, max_capacity_gb=1)
     adapters.append(a)

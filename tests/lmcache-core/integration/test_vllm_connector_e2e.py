@@ -214,15 +214,18 @@ def test_abort_before_the_lookup_result_frees_locks(server, engines):
 
 
 def spy_ops(adapter) -> list[str]:
-    """Record the op name of every request ``adapter`` sends (the real link still sends it)."""
+    """Record the op name of every request ``adapter`` sends, heartbeat pings aside (the
+    real client still sends it)."""
     sent: list[str] = []
-    real = adapter.link.submit
+    client = adapter.link.client
+    real = client.submit
 
     def submit(op, *payloads):
-        sent.append(op)
+        if op != "ping":
+            sent.append(op)
         return real(op, *payloads)
 
-    adapter.link.submit = submit
+    client.submit = submit
     return sent
 
 
@@ -552,8 +555,8 @@ def test_request_finished_ends_the_server_sessions(lmcache_server, engines):
     e.step()  # its lookup is out...
     e.abort("gone")  # ...when the client aborts it
     e.run()
-    assert sent.count("end_session") == 3
     assert wait_until(lambda: active_sessions(srv) == 0, timeout=5), active_sessions(srv)
+    assert sent.count("end_session") == 3  # one per request, whatever it did
     assert_no_locks(srv)
 
 
@@ -573,3 +576,34 @@ def test_retrieve_while_the_server_is_down_fails_as_a_load_error(lmcache_server,
     assert "lost" not in e.loaded_ok
     assert e.requests["lost"].status == "finished"  # ...recomputed them and finished
     assert not e.holding and len(e.free_blocks) == e.num_blocks - 1  # every block released
+
+
+def test_finishing_a_request_whose_lookup_never_answered_keeps_nothing(lmcache_server, engines):
+    """The scheduler gave up on a lookup (stalled server): finishing the request drops every
+    trace of it on our side, and the server frees that lookup's locks at end_session."""
+    import signal
+
+    srv = lmcache_server()
+    prompt = tokens(600, seed=63)
+    store_prompt(engines, prompt, port=srv.port)
+    extra = {"lmcache.mp.lookup_timeout": "1", "lmcache.mp.heartbeat_interval": "120"}
+    e = engines(port=srv.port, extra=extra)
+    adapter = e.scheduler.scheduler_adapter
+    client = adapter.link.client
+    e.add_request("warmup", tokens(100, seed=64))  # starts the heartbeat (its first ping)
+    e.run()
+    assert wait_until(lambda: client.pending_count() == 0, timeout=10)
+    os.kill(srv.proc.pid, signal.SIGSTOP)
+    try:
+        req = e.add_request("never", prompt)
+        assert wait_until(lambda: e.scheduler.get_num_new_matched_tokens(req, 0)[0] is not None)
+        assert e.scheduler.get_num_new_matched_tokens(req, 0) == (0, False)  # gave up: a miss
+        assert client.pending_count() == 1  # the lookup, still unanswered
+        assert e.scheduler.request_finished(req, []) == (False, None)
+        assert "never" not in adapter.trackers and not adapter._abandoned
+        # nothing waits for a reply any more: neither the lookup nor the end_session
+        assert client.pending_count() == 0
+    finally:
+        os.kill(srv.proc.pid, signal.SIGCONT)
+    assert_no_locks(srv)  # the late lookup's locks, released by end_session on the server
+    assert wait_until(lambda: active_sessions(srv) == 0, timeout=5)

@@ -503,3 +503,27 @@ def test_http_endpoints(srv, mp):
     env = httpx.get(base + "/env").json()
     assert all(v == "***" for k, v in env.items() if "SECRET" in k.upper())
     assert httpx.post(base + "/cache/clear", json={"tier": "l1"}).json()["ok"] is True
+
+
+def test_l1_evictions_reach_metrics(lmcache_server, mp):
+    # ~2.5 chunks of 4 MiB fit: later stores must evict earlier, unlocked chunks
+    srv = lmcache_server("--l1-size-gb", "0.01", "--l1-init-size-gb", "0")
+    model = _model()
+    kv = mp.make_kv(num_layers=4, heads=16, head_size=64)
+    c, ctx = mp.worker(srv.rpc_url, kv, model=model)
+    try:
+        assert mp.metric(srv, "lmcache_mp_l1_evicted_chunks_total") == 0
+        for i in range(4):
+            tokens = [i * 100000 + t for t in mp.TOKENS]
+            ctx.submit_store(
+                mp.key(f"ev{i}", model=model, tokens=tokens), list(range(1, 33))
+            ).result(20)
+        deadline = time.monotonic() + 10
+        evicted = 0.0
+        while time.monotonic() < deadline and evicted == 0:
+            evicted = mp.metric(srv, "lmcache_mp_l1_evicted_chunks_total")
+            time.sleep(0.2)
+        assert evicted >= 1, srv.log()
+    finally:
+        ctx.close()
+        c.close()

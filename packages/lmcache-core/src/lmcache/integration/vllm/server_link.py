@@ -151,6 +151,27 @@ class ServerLink:
     def submit(self, op: str, *payloads: Any):
         return self.client.submit(op, *payloads)
 
+    def send(self, op: str, *payloads: Any) -> None:
+        """Fire and forget: no reply is awaited, and none is waited for in the client.
+
+        Without this, a request whose server died before answering would keep its slot
+        in the client's pending table for good.
+        """
+        self.forget(self.client.submit(op, *payloads))
+
+    @staticmethod
+    def forget(future: Any) -> None:
+        """Stop waiting for ``future`` for good (its late reply, if any, is dropped).
+
+        The client drops a request from its pending table once ``result`` times out.
+        """
+        if future is None or future.query():
+            return
+        try:
+            future.result(0)
+        except Exception:
+            pass  # the expected LMCacheTimeoutError, or a reply nobody reads
+
     def stop_heartbeat(self) -> None:
         hb, self._heartbeat = self._heartbeat, None
         if hb is not None:

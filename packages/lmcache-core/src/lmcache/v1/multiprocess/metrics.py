@@ -33,6 +33,7 @@ _COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
     "lmcache_mp_l1_allocation_failure_chunks": ("chunks L1 could not allocate", ()),
     "lmcache_mp_l1_eviction_loop_ticks": ("L1 eviction loop ticks", ()),
     "lmcache_mp_l1_eviction_loop_triggered": ("L1 eviction loop triggers", ()),
+    "lmcache_mp_l2_evicted_objects_chunks": ("chunks evicted from L2", ()),
     "lmcache_mp_event_bus_dropped_events": ("dropped events (no event bus: 0)", ()),
     "lmcache_mp_timeouts": ("timed out waits", ()),
     "lmcache_mp_request_errors": ("failed requests", ("op", "code")),

@@ -67,6 +67,7 @@ class ServerRuntime:
         )
         self.server = MPCacheServer(self.engine)
         self.metrics.set("lmcache_mp_shm_enabled", 1 if shm.name else 0)
+        self._fed: dict[str, int] = {}  # eviction totals already added to the counters
         self.metrics.add_gauge_source(self._refresh_gauges)
         self._stopped = False
 
@@ -105,6 +106,31 @@ class ServerRuntime:
         m.set("lmcache_mp_l1_staging_bytes", self.storage.staging_bytes())
         st = self.engine.status()
         m.set("lmcache_mp_active_prefetch_jobs", st["active_prefetch_jobs"])
+        self._feed_eviction_counters(m)
+
+    def _feed_eviction_counters(self, m: ServerMetrics) -> None:
+        """The storage layer keeps cumulative eviction counts; add what is new since the
+        last scrape (after ``/metrics/reset`` the counters restart from the new ones)."""
+        status = self.storage.status()
+        l1_ctls = status.get("l1_eviction_controllers") or []
+        l1 = status.get("l1_managers") or []
+        l2 = status.get("l2_eviction_controller") or {}
+        totals = {
+            "lmcache_mp_l1_evicted_chunks": sum(int(c.get("evicted_keys", 0)) for c in l1_ctls)
+            + sum(int(x.get("demand_evicted_keys", 0)) for x in l1),
+            "lmcache_mp_l1_eviction_loop_ticks": sum(
+                int((c.get("eviction") or {}).get("cycles", 0)) for c in l1_ctls
+            ),
+            "lmcache_mp_l1_eviction_loop_triggered": sum(
+                int(c.get("triggered_cycles", 0)) for c in l1_ctls
+            ),
+            "lmcache_mp_l2_evicted_objects_chunks": int(l2.get("evicted_keys", 0)),
+        }
+        for name, total in totals.items():
+            delta = total - self._fed.get(name, 0)
+            if delta > 0:
+                m.inc(name, delta)
+            self._fed[name] = total
 
 
 def _unlink_shm(name: str) -> None:

@@ -70,6 +70,7 @@ def _build_lmcache_driven_context(kv_caches: Any, device_type: str, **kwargs: An
         LMCacheDrivenTransferContext,
     )
     from lmcache.v1.platform import get_device_spec, resolve_kv_wrapper_factory
+    from lmcache.v1.platform.transfer_mode import effective_lmcache_driven_available
 
     try:
         factory = resolve_kv_wrapper_factory(device_type)
@@ -79,7 +80,9 @@ def _build_lmcache_driven_context(kv_caches: Any, device_type: str, **kwargs: An
             "no KV-cache wrapper factory is registered. Use mode 'engine_driven' instead."
         ) from None
     spec = get_device_spec(device_type)
-    if spec is not None and not spec.is_lmcache_driven_available():
+    # effective_...: same answer, plus the platform.md 2.3 warning when the spec's two
+    # capability flags disagree
+    if spec is not None and not effective_lmcache_driven_available(spec):
         raise ValueError(
             f"MP transfer mode 'lmcache_driven' is not available for device type {device_type!r}: "
             "required platform capability checks failed. Use mode 'engine_driven' instead."

@@ -152,18 +152,7 @@ def gather_paged_kv_to_cpu(
         raise ValueError(f"out has {len(out)} chunks but {len(idx)} were selected")
     if not idx:
         return out
-    ops = _ops_for(kv_caches[0])
-    ops.multi_layer_block_kv_transfer(
-        list(kv_caches),
-        list(out),
-        flat,
-        kv_caches[0].device,
-        TransferDirection.D2H,
-        geo.shape_desc(),
-        tokens,
-        geo.fmt,
-        0,
-    )
+    _transfer(kv_caches, list(out), flat, blocks_per_chunk, TransferDirection.D2H, geo, 0)
     return out
 
 
@@ -189,15 +178,108 @@ def scatter_cpu_to_paged_kv(
     skip_blocks = skip_first_n_tokens // geo.block_size
     if not chunks:
         return
-    ops = _ops_for(kv_caches[0])
-    ops.multi_layer_block_kv_transfer(
-        list(kv_caches),
+    _transfer(
+        kv_caches,
         list(chunks),
         list(block_ids),
-        kv_caches[0].device,
+        blocks_per_chunk,
         TransferDirection.H2D,
-        geo.shape_desc(),
-        blocks_per_chunk * geo.block_size,
-        geo.fmt,
+        geo,
         skip_blocks,
     )
+
+
+def _transfer(
+    kv_caches: list[torch.Tensor],
+    chunks: list[torch.Tensor],
+    block_ids: list[int],
+    bpc: int,
+    direction: TransferDirection,
+    geo: KVGeometry,
+    skip_blocks: int,
+) -> None:
+    """One ``multi_layer_block_kv_transfer`` in tensor mode; batches of raw pointers of at
+    most ``max_objects_per_call`` chunks in pointer mode (platform.md 3.5)."""
+    from lmcache.v1.platform.base.device_ops import resolve_kv_transfer_operands
+
+    ops = _ops_for(kv_caches[0])
+    device = kv_caches[0].device
+    tokens = bpc * geo.block_size
+    mode, limit = resolve_kv_transfer_operands(ops)
+    if mode == "tensor":
+        ops.multi_layer_block_kv_transfer(
+            list(kv_caches),
+            chunks,
+            block_ids,
+            device,
+            direction,
+            geo.shape_desc(),
+            tokens,
+            geo.fmt,
+            skip_blocks,
+        )
+        return
+    host = [_pinned_for_pointer_mode(c, device, direction) for c in chunks]
+    paged_ptrs = torch.tensor([t.data_ptr() for t in kv_caches], dtype=torch.int64, device=device)
+    step = max(1, int(limit or 1))
+    for i in range(0, len(host), step):
+        batch = host[i : i + step]
+        first_block = i * bpc
+        ids = block_ids[first_block : first_block + len(batch) * bpc]
+        skip = min(max(0, skip_blocks - first_block), len(ids))
+        if not ids or skip == len(ids):
+            continue  # every block of this batch is in the skipped prefix
+        ops.multi_layer_block_kv_transfer(
+            paged_ptrs,
+            torch.tensor([c.data_ptr() for c in batch], dtype=torch.int64),
+            ids,
+            device,
+            direction,
+            geo.shape_desc(),
+            tokens,
+            geo.fmt,
+            skip,
+        )
+    if any(h is not c for h, c in zip(host, chunks, strict=True)):
+        _synchronize(device)
+        if direction == TransferDirection.D2H:
+            for h, c in zip(host, chunks, strict=True):
+                if h is not c:
+                    c.copy_(h)
+
+
+_warned_staging = False
+
+
+def _pinned_for_pointer_mode(
+    chunk: torch.Tensor, device: torch.device, direction: TransferDirection
+) -> torch.Tensor:
+    """Pointer kernels DMA to/from host memory: they need contiguous, pinned chunks.
+
+    CPU KV caches need no pinning; unpinned chunks go through a pinned staging copy.
+    """
+    if device.type == "cpu":
+        if not chunk.is_contiguous():
+            raise ValueError("pointer-mode transfers need contiguous host chunks")
+        return chunk
+    if chunk.is_contiguous() and chunk.is_pinned():
+        return chunk
+    global _warned_staging
+    if not _warned_staging:
+        _warned_staging = True
+        logger.warning(
+            "pointer-mode KV transfer on %s got unpinned host chunks; copying through a "
+            "pinned staging buffer (pin the chunks to avoid the extra copy)",
+            device,
+        )
+    staged = torch.empty(chunk.shape, dtype=chunk.dtype).pin_memory()
+    if direction == TransferDirection.H2D:
+        staged.copy_(chunk)
+    return staged
+
+
+def _synchronize(device: torch.device) -> None:
+    mod = getattr(torch, device.type, None)
+    sync = getattr(mod, "synchronize", None)
+    if callable(sync):
+        sync()
