@@ -210,7 +210,10 @@ CASES = [
     ("clear(force=false)", 20, [False]),
     ("unregister engine-driven context", 15, [4242]),
     ("unregister it again", 15, [4242]),
+    ("register_kv_cache on an engine_driven-only server", 1,
+     [4243, [], "probe-model", 1, "vllm", {"kv_layout": "NHD"}, []]),
     ("unregister_kv_cache unknown id", 2, [4243]),
+    ("noop at the end", 24, []),
 ]
 ctx = zmq.Context()
 sock = ctx.socket(zmq.DEALER)
@@ -219,7 +222,7 @@ out = []
 for uid, (name, op, payloads) in enumerate(CASES):
     sock.send_multipart([enc(uid), enc(op), *[enc(p) for p in payloads]])
     frames = None
-    quiet = op in (999, 17) or name.startswith("lookup with")  # may get no reply
+    quiet = op in (999, 17, 1, 2) or name.startswith("lookup with")  # may get no reply
     deadline = time.monotonic() + (1.5 if quiet else 10.0)
     while frames is None and sock.poll(max(0.0, deadline - time.monotonic()) * 1000):
         got = sock.recv_multipart()
@@ -231,10 +234,13 @@ print(json.dumps(out))
 
 # Replies where we differ from 0.5.6 on purpose (docs/compat.md, protocol.md sections 5.3, 10).
 EXPECTED_DIFFERENCES = {
-    # Ours lists the negotiable features (error_replies, raw_payload_v1); 0.5.6 lists its own.
+    # 0.5.6 lists ["kv_event_stream"], ours the features built: error_replies, raw_payload_v1.
     "get_experimental",
     # 0.5.6 raises EOFError on an empty copy-path payload and never answers; ours says False.
     "commit_store empty payload, copy path",
+    # Without the lmcache_driven module 0.5.6 has no handler for op 2 and never answers;
+    # ours acks it (unregistration is idempotent, spec 5.3), so a client does not hang.
+    "unregister_kv_cache unknown id",
 }
 
 

@@ -202,9 +202,7 @@ class LMCacheMPSchedulerAdapter:
         start = t.locks_from
         end = min(chunk_floor(end, self.chunk_size), t.lmcache_hit)
         if end > start:
-            self.link.submit(
-                "free_lookup_locks", self._key(t, start, end), self.strategy.kv_world_size
-            )
+            self.link.send("free_lookup_locks", self._key(t, start, end), self.strategy.kv_world_size)
             t.locks_from = end
         if t.locks_from >= t.lmcache_hit:
             t.locks_held = False
@@ -432,7 +430,7 @@ class LMCacheMPSchedulerAdapter:
         records, self._new_block_records = self._new_block_records, []
         if records and self.healthy:
             # Counted by the server only; fire and forget.
-            self.link.submit("report_block_allocation", None, self.model_name, records)
+            self.link.send("report_block_allocation", None, self.model_name, records)
 
     def update_connector_output(self, output: Any) -> None:
         """Note failed loads: vLLM recomputes those tokens, so they are stored again only
@@ -467,9 +465,14 @@ class LMCacheMPSchedulerAdapter:
                     fut.wait(max(0.0, min(0.05, deadline - time.monotonic())))
             if x.hit_known:
                 self._free_locks(x, x.lmcache_hit)
+            else:
+                # Never answered (server stalled or gone): stop waiting for good, so the
+                # client keeps no slot for it; end_session frees what that lookup locked.
+                self.link.forget(x.lookup_future)
+                self.link.forget(x.status_future)
         if self.healthy:
             # Also releases, on the server, any lock share a lookup still holds.
-            self.link.submit("end_session", rid)
+            self.link.send("end_session", rid)
         return t.stored_any if t is not None else False
 
     def reset_cache(self) -> bool:

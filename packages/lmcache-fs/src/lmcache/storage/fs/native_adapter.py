@@ -12,7 +12,6 @@ from typing import Any
 
 from lmcache.storage.fs._files import ScanProgress, scan_directory
 from lmcache.storage.fs.config import FSNativeL2AdapterConfig, check_relative_tmp_dir
-from lmcache.v1.distributed.api import ObjectKey
 from lmcache.v1.distributed.l2_adapters.native_connector_l2_adapter import (
     NativeConnectorL2Adapter,
 )
@@ -53,26 +52,16 @@ class FSNativeL2Adapter(NativeConnectorL2Adapter):
         tmp_dir = os.path.join(base, config.relative_tmp_dir) if config.relative_tmp_dir else base
         self._scan_thread = threading.Thread(
             target=scan_directory,
-            args=(base, tmp_dir, self._recovered, self._scan),
+            args=(base, tmp_dir, self.record_known_keys, self._scan),
             name="lmc-fs-native-scan",
             daemon=True,
         )
         self._scan_thread.start()
 
-    def _recovered(self, keys: list[ObjectKey], sizes: list[int]) -> None:
-        # Register with the bridge's size table so deletes later report the same sizes.
-        with self._lock:
-            fresh = [(k, s) for k, s in zip(keys, sizes, strict=False) if k not in self._known]
-            for k, s in fresh:
-                self._known[k] = s
-        if fresh:
-            self._notify_keys_stored([k for k, _ in fresh], [s for _, s in fresh])
-
     def register_listener(self, listener: Any) -> None:
         """Also replays the keys already known to the new listener (see FSL2Adapter)."""
         super().register_listener(listener)
-        with self._lock:
-            known = list(self._known.items())
+        known = self.known_key_sizes()
         if known:
             listener.on_l2_keys_stored([k for k, _ in known], [s for _, s in known])
 
