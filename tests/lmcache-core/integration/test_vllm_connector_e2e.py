@@ -560,6 +560,26 @@ def test_request_finished_ends_the_server_sessions(lmcache_server, engines):
     assert_no_locks(srv)
 
 
+def test_end_session_waits_for_the_requests_stores(lmcache_server, engines):
+    """A store that reached the server after end_session would open the session again."""
+    import threading
+
+    srv = lmcache_server()
+    e = engines(port=srv.port)
+    transfer = e.workers[0].worker_adapter.ctx
+    gate = threading.Event()
+    transfer._executor.submit(gate.wait, 30)  # the worker's transfers queue up behind this
+    e.add_request("quick", tokens(600, seed=65), max_new_tokens=1)
+    while "quick" not in e.finished_results:
+        e.step()  # the step that issues its STORE (queued on the worker) also finishes it
+    assert e.finished_results["quick"] is True and "quick" in e.holding
+    gate.set()
+    e.run()
+    assert not e.holding
+    assert wait_until(lambda: active_sessions(srv) == 0, timeout=5), active_sessions(srv)
+    assert_no_locks(srv)
+
+
 def test_retrieve_while_the_server_is_down_fails_as_a_load_error(lmcache_server, engines):
     """Checklist 10: the lookup hit, then the server died before the workers loaded."""
     srv = lmcache_server()

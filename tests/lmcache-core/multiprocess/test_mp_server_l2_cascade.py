@@ -56,3 +56,25 @@ def test_lookup_loads_from_l2_after_l1_is_cleared(lmcache_server, mp):
     finally:
         ctx.close()
         c.close()
+
+
+def test_l1_resident_lookup_is_answered_without_the_l2_path(lmcache_server, mp):
+    # With an L2 adapter configured, a lookup whose keys are all in L1 is served
+    # synchronously from L1: the first query after the lookup ack already has the result.
+    srv = lmcache_server("--l2-adapter", MOCK_L2)
+    model = "l2-model-l1hit"
+    c, ctx = mp.worker(srv.rpc_url, mp.make_kv(), model=model)
+    peer = mp.RawPeer(srv.rpc_url)
+    try:
+        assert ctx.submit_store(mp.key("s", model=model), list(range(1, 33))).result(20)
+        rid = "l1-hit"
+        key = P.to_builtins(mp.key(rid, model=model, worker_id=None))
+        assert peer.request(8, key, 1) is not None
+        frames = peer.request(9, rid)
+        assert len(frames) == 3 and P.decode(frames[2]) == 2
+        assert mp.metric(srv, "lmcache_mp_lookup_hit_l1_keys_total") == 2
+        assert mp.metric(srv, "lmcache_mp_lookup_hit_l2_keys_total") == 0
+    finally:
+        peer.close()
+        ctx.close()
+        c.close()

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 
+import httpx
 import pytest
 import torch
 
@@ -205,8 +206,10 @@ def test_mode_not_enabled(lmcache_server):
         with pytest.raises(RemoteError) as exc:
             ctx.register("m", 1)
         assert exc.value.code == "MODE_NOT_ENABLED"
+        assert "--supported-transfer-mode auto" in exc.value.message
     finally:
         client.close()
+    assert "--supported-transfer-mode auto" in only_lmc.log()
 
 
 _HALF_WRITER = r"""
@@ -257,6 +260,8 @@ def test_client_killed_mid_shm_store_leaves_nothing_readable(lmcache_server):
             c.call("lookup", _key("killed-model", "after", worker_id=None), 1)
             assert c.call("wait_prefetch_status", "after", 10.0) == 0
             assert c.noop() == "OK"
+            l1 = httpx.get(srv.http_url + "/status", timeout=5).json()["storage_manager"]["l1"]
+            assert l1["total_object_count"] == 0 and l1["write_locked_count"] == 0, l1
     finally:
         if proc.poll() is None:
             proc.kill()

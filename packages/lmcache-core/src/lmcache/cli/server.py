@@ -8,6 +8,7 @@ LMCache 0.5.6 (spec/protocol.md 13). SIGINT/SIGTERM stop it cleanly and unlink i
 from __future__ import annotations
 
 import argparse
+import re
 import signal
 import socket
 import sys
@@ -50,6 +51,59 @@ LATER_OPTIONS: tuple[tuple[str, str, object], ...] = (
 )
 
 
+# Help for flags whose definition (here or in the storage layer) carries none.
+_EXTRA_HELP = {
+    "--disable-observability": "turn off metrics and the event bus",
+    "--disable-metrics": "turn off the Prometheus /metrics counters",
+    "--disable-logging": "log only WARNING and above",
+}
+_LATER_HELP = "not supported yet: a changed value stops startup"
+
+
+_STATES_DEFAULT = re.compile(r"\(default\b|; default\b")
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Keeps the description as written and appends each flag's default to its help,
+    unless the help text already states one."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (
+            not action.option_strings
+            or action.default is argparse.SUPPRESS
+            or _STATES_DEFAULT.search(text)
+        ):
+            return text
+        return f"{text} (default: {_default_text(action.default)})".lstrip()
+
+
+def _default_text(value: object) -> str:
+    if value is True:
+        return "on"
+    if value is False:
+        return "off"
+    if value is None or value == []:
+        return "none"
+    if value == "":
+        return '""'
+    return str(value).replace("%", "%%")
+
+
+def _fill_missing_help(parser: argparse.ArgumentParser) -> None:
+    later_flags = {flag for flag, _dest, _default in LATER_OPTIONS}
+    for action in parser._actions:
+        if action.help or not action.option_strings:
+            continue
+        flag = action.option_strings[-1]
+        if flag in _EXTRA_HELP:
+            action.help = _EXTRA_HELP[flag]
+        elif flag in later_flags:
+            action.help = _LATER_HELP
+        else:
+            action.help = flag.lstrip("-").replace("-", " ")
+
+
 def _bool_arg(text: str) -> bool:
     v = str(text).strip().lower()
     if v in ("1", "true", "yes", "on"):
@@ -66,7 +120,11 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--host", default="localhost", help="RPC bind host (default localhost)")
     g.add_argument("--port", type=int, default=5555, help="RPC port (default 5555)")
     g.add_argument("--chunk-size", type=int, default=256, help="tokens per chunk (default 256)")
-    g.add_argument("--hash-algorithm", default="blake3", help="token hash: blake3 (default)")
+    g.add_argument(
+        "--hash-algorithm",
+        default="blake3",
+        help="token hash; builtin and sha256_cbor are not supported yet",
+    )
     g.add_argument("--null-block-id", type=int, default=0, help="vLLM's null block id (default 0)")
     g.add_argument(
         "--max-workers", type=int, default=4, help="default size of both pools (default 4)"
@@ -159,6 +217,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         eviction_policy_default=EVICTION_POLICY_DEFAULT,
         include_shm_name=True,
     )
+    _fill_missing_help(parser)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -166,7 +225,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "server",
         help="run the multiprocess KV-cache server",
         description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     add_server_args(parser)
 
@@ -220,6 +279,14 @@ def validate_args(args: argparse.Namespace) -> None:
     ):
         if v < 0:
             raise CLIError(f"{flag} must be >= 0 (got {v})")
+    shm_name = args.shm_name or ""
+    # One leading "/" is POSIX style and stripped; any other "/" or a NUL cannot name a
+    # /dev/shm file, so refuse it here instead of failing deep in the storage engine.
+    if "/" in shm_name[1:] or "\0" in shm_name or shm_name == "/":
+        raise CLIError(
+            f"--shm-name {shm_name!r} is not a valid shared-memory name: use a plain name "
+            "without '/' (one leading '/' is allowed) or NUL, e.g. --shm-name lmcache"
+        )
     if args.session_ttl_seconds == 0:
         raise CLIError("--session-ttl-seconds must be positive (got 0)")
 

@@ -115,6 +115,9 @@ class LMCacheMPSchedulerAdapter:
         # Trackers that answered (0, False) before their lookup result came; read late, freed.
         self._abandoned: list[RequestTracker] = []
         self._new_block_records: list[dict[str, Any]] = []
+        # Finished requests whose stores may still be on their way: end_session waits for
+        # vLLM to report them in finished_sending (see request_finished).
+        self._end_after_sending: set[str] = set()
         self.gpu_block_pool: Any = None
 
     # -- helpers ------------------------------------------------------------------
@@ -202,7 +205,9 @@ class LMCacheMPSchedulerAdapter:
         start = t.locks_from
         end = min(chunk_floor(end, self.chunk_size), t.lmcache_hit)
         if end > start:
-            self.link.send("free_lookup_locks", self._key(t, start, end), self.strategy.kv_world_size)
+            self.link.send(
+                "free_lookup_locks", self._key(t, start, end), self.strategy.kv_world_size
+            )
             t.locks_from = end
         if t.locks_from >= t.lmcache_hit:
             t.locks_held = False
@@ -437,6 +442,11 @@ class LMCacheMPSchedulerAdapter:
         once computed (and chunks LMCache lost are stored anew)."""
         invalid = set(getattr(output, "invalid_block_ids", None) or ())
         done = set(getattr(output, "finished_recving", None) or ())
+        sent = set(getattr(output, "finished_sending", None) or ())
+        for rid in sent & self._end_after_sending:
+            self._end_after_sending.discard(rid)
+            if self.healthy:
+                self.link.send("end_session", rid)
         for t in self.trackers.values():
             if not t.loading_blocks:
                 continue
@@ -470,10 +480,17 @@ class LMCacheMPSchedulerAdapter:
                 # client keeps no slot for it; end_session frees what that lookup locked.
                 self.link.forget(x.lookup_future)
                 self.link.forget(x.status_future)
-        if self.healthy:
+        stored = t.stored_any if t is not None else False
+        if stored:
+            # The workers' stores of this request may still be on their way, and a store
+            # that reached the server after end_session would open the session again (to
+            # linger until its TTL). So it ends once vLLM reports the request in
+            # finished_sending: every store of it completed on every worker.
+            self._end_after_sending.add(rid)
+        elif self.healthy:
             # Also releases, on the server, any lock share a lookup still holds.
             self.link.send("end_session", rid)
-        return t.stored_any if t is not None else False
+        return stored
 
     def reset_cache(self) -> bool:
         if not self.healthy:
