@@ -379,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             if args.json:
                 args.json.write_text(json.dumps(table, indent=2))
-    except CompatFailure as exc:
+    except (CompatFailure, subprocess.TimeoutExpired) as exc:
         print(f"FAIL  {exc}", flush=True)
         return 1
     if failures:

@@ -2,7 +2,12 @@
 
 store:    fill a paged KV cache deterministically from --seed, store the prompt's blocks.
 retrieve: retrieve the prompt into a zeroed cache at other (shuffled) block ids and exit 0
-          only when every retrieved byte equals what the storing engine had.
+          only when every retrieved byte equals what the storing engine had. With
+          ``--lookup-readers N`` this process first plays the engine's scheduler: it looks the
+          prompt up (taking N read shares per key), waits for the result and reports it as
+          ``hit`` (chunks).
+``--fake-device NAME`` runs the worker with a fake accelerator ``torch.NAME`` installed
+(lmcache.v1.platform.testing); its KV tensors stay on CPU.
 """
 
 from __future__ import annotations
@@ -41,6 +46,47 @@ def block_of(t: torch.Tensor, layout: str, b: int) -> torch.Tensor:
     return t[b] if layout == "MLA" else t[:, b]
 
 
+def scheduler_lookup(client: MPClient, key: P.IPCCacheServerKey, readers: int) -> int:
+    """The scheduler's part: lookup (locks the prefix), then wait for the hit count."""
+    lookup_key = P.IPCCacheServerKey(
+        model_name=key.model_name,
+        world_size=key.world_size,
+        worker_id=None,
+        token_ids=key.token_ids,
+        start=key.start,
+        end=key.end,
+        request_id=key.request_id,
+        num_kv_readers=readers,
+    )
+    client.call("lookup", lookup_key, key.world_size)
+    return client.call("wait_prefetch_status", key.request_id, 30.0)
+
+
+def fake_device(name: str):
+    """A fake accelerator ``torch.<name>`` and a minimal device spec for it."""
+    import contextlib
+
+    from lmcache.v1.platform.base.device_spec import DeviceSpec
+    from lmcache.v1.platform.testing import extra_device_specs, install_fake_device
+
+    class FakeAccelerator(DeviceSpec):
+        @property
+        def device_type(self) -> str:
+            return name
+
+        @property
+        def torch_module_name(self) -> str:
+            return name
+
+        def is_available(self) -> bool:
+            return True
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(install_fake_device(name))
+    stack.enter_context(extra_device_specs(FakeAccelerator()))
+    return stack
+
+
 def run_one(a: argparse.Namespace, layout: str) -> dict:
     tokens = list(range(10, 10 + a.num_tokens))
     n_blocks = a.num_tokens // BLOCK
@@ -66,6 +112,9 @@ def run_one(a: argparse.Namespace, layout: str) -> dict:
         num_kv_readers=1,
     )
     try:
+        hit = None
+        if a.role == "retrieve" and a.lookup_readers:
+            hit = scheduler_lookup(client, key, a.lookup_readers)
         if a.role == "store":
             ok = ctx.submit_store(key, src_ids).result(60)
             return {"layout": layout, "stored": bool(ok), "mode": ctx.mode}
@@ -79,6 +128,7 @@ def run_one(a: argparse.Namespace, layout: str) -> dict:
         untouched = all(int(block_of(t, layout, 0).float().abs().sum()) == 0 for t in kv)
         return {
             "layout": layout,
+            "hit": hit,
             "retrieved": bool(ok),
             "identical": same,
             "untouched": untouched,
@@ -104,8 +154,19 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--request-id", default="req", help="prefix (the layout is appended)")
     ap.add_argument("--num-tokens", type=int, default=1024)
+    ap.add_argument(
+        "--lookup-readers", type=int, default=0, help="retrieve: look up first (0: do not)"
+    )
+    ap.add_argument("--fake-device", default="", help="install a fake accelerator of this name")
     a = ap.parse_args()
-    results = [run_one(a, layout) for layout in a.layouts.split(",")]
+    if a.fake_device:
+        from lmcache.v1.platform._device_detect import current_device_spec
+
+        with fake_device(a.fake_device):
+            device = current_device_spec().device_type
+            results = [dict(run_one(a, layout), device=device) for layout in a.layouts.split(",")]
+    else:
+        results = [run_one(a, layout) for layout in a.layouts.split(",")]
     print(json.dumps(results))
     ok = all(
         r.get("stored", True)

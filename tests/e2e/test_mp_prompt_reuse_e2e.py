@@ -80,8 +80,7 @@ def test_second_engine_gets_identical_kv(request, mode, server):
     layouts = ",".join(LAYOUTS)
     stored = _wait([_run(srv.rpc_url, "store", layouts=layouts, mode=mode, model=model, seed=7)])[0]
     assert [r["stored"] for r in stored] == [True] * 3
-    for layout in LAYOUTS:  # the second engine's scheduler looks up first (takes the locks)
-        assert _lookup(srv.rpc_url, f"{model}-{layout}", 1, 1, f"second-{layout}") == 4
+    # the second engine process looks the prompt up itself (takes the locks), then retrieves
     got = _wait(
         [
             _run(
@@ -92,10 +91,12 @@ def test_second_engine_gets_identical_kv(request, mode, server):
                 model=model,
                 seed=7,
                 request_id="second",
+                lookup_readers=1,
             )
         ]
     )[0]
     for r in got:
+        assert r["hit"] == 4, r
         assert (r["retrieved"], r["identical"], r["untouched"]) == (True, True, True), r
 
 
@@ -107,21 +108,8 @@ def test_tp2_every_rank_stores_and_retrieves_its_shard(shm_server):
             for r in range(2)
         ]
     )
-    assert _lookup(shm_server.rpc_url, f"{model}-NHD", 2, 1, "tp2-NHD") == 4
-    got = _wait(
-        [
-            _run(
-                shm_server.rpc_url,
-                "retrieve",
-                model=model,
-                world_size=2,
-                worker_id=r,
-                seed=100 + r,
-                request_id="tp2",
-            )
-            for r in range(2)
-        ]
-    )
+    got = _tp2_retrieve(shm_server.rpc_url, model=model, request_id="tp2")
+    assert got[0][0]["hit"] == 4
     assert all(g[0]["identical"] and g[0]["retrieved"] for g in got)
     # a prompt only one rank stored is a miss for the whole model
     half = f"e2e-tp2-half-{next(_n)}"
@@ -133,8 +121,22 @@ def test_mla_tp2_one_writer_two_readers(shm_server):
     model = f"e2e-mla-tp2-{next(_n)}"
     # MLA: KV is replicated across TP, the kv world size is 1 and only rank 0 writes
     _wait([_run(shm_server.rpc_url, "store", layouts="MLA", model=model, seed=11)])
-    assert _lookup(shm_server.rpc_url, f"{model}-MLA", 1, 2, "mla-MLA") == 4
-    got = _wait(
+    # rank 0's process also plays the scheduler: one lookup with two readers per key
+    first = _wait(
+        [
+            _run(
+                shm_server.rpc_url,
+                "retrieve",
+                layouts="MLA",
+                model=model,
+                seed=11,
+                request_id="mla",
+                lookup_readers=2,
+            )
+        ]
+    )
+    assert first[0][0]["hit"] == 4
+    second = _wait(
         [
             _run(
                 shm_server.rpc_url,
@@ -144,7 +146,66 @@ def test_mla_tp2_one_writer_two_readers(shm_server):
                 seed=11,
                 request_id="mla",
             )
-            for _ in range(2)
         ]
     )
-    assert all(g[0]["identical"] for g in got)
+    assert all(g[0]["identical"] for g in first + second)
+
+
+def _tp2_retrieve(url: str, *, model: str, request_id: str, **kw) -> list[list[dict]]:
+    """TP=2 retrieve: rank 0's process looks up for both ranks (as vLLM's scheduler does on
+    rank 0), then each rank retrieves its own shard."""
+    rank0 = _wait(
+        [
+            _run(
+                url,
+                "retrieve",
+                model=model,
+                world_size=2,
+                worker_id=0,
+                seed=100,
+                request_id=request_id,
+                lookup_readers=1,
+                **kw,
+            )
+        ]
+    )
+    rank1 = _wait(
+        [
+            _run(
+                url,
+                "retrieve",
+                model=model,
+                world_size=2,
+                worker_id=1,
+                seed=101,
+                request_id=request_id,
+                **kw,
+            )
+        ]
+    )
+    return rank0 + rank1
+
+
+@pytest.fixture(scope="module")
+def engine_driven_server(lmcache_server_module):
+    return lmcache_server_module("--supported-transfer-mode", "engine_driven")
+
+
+def test_tp2_on_a_fake_device_against_an_engine_driven_server(engine_driven_server):
+    """platform.md 9 item 30: workers on a fake accelerator, server with only engine_driven."""
+    url = engine_driven_server.rpc_url
+    model = f"e2e-fake-tp2-{next(_n)}"
+    kw = {"mode": "engine_driven", "fake_device": "fakeacc"}
+    stored = _wait(
+        [
+            _run(url, "store", model=model, world_size=2, worker_id=r, seed=100 + r, **kw)
+            for r in range(2)
+        ]
+    )
+    assert all(s[0]["stored"] and s[0]["device"] == "fakeacc" for s in stored), stored
+    got = _tp2_retrieve(url, model=model, request_id="fake", **kw)
+    assert got[0][0]["hit"] == 4
+    for g in got:
+        r = g[0]
+        assert r["device"] == "fakeacc" and r["mode"] in ("raw_v1", "pickle"), r
+        assert (r["retrieved"], r["identical"], r["untouched"]) == (True, True, True), r
