@@ -156,7 +156,6 @@ def test_bad_shm_name_is_refused_naming_the_flag(bad):
 
 def test_one_leading_slash_is_accepted():
     from lmcache.cli.server import build_configs
-
     from lmcache.v1.distributed.l1_memory import normalize_shm_name
 
     _mp_config, storage = build_configs(_parse("--shm-name", "/plain"))

@@ -1,7 +1,8 @@
 """StorageManager: L1 managers, eviction, L2 adapters and the store/prefetch controllers (§4.1).
 
 Construction order: L1 managers -> one L1 eviction controller each -> adapters (through the
-registry, with their affinity L1's ``L1MemoryDesc``) -> ``set_backend_identity`` ->
+registry, with their affinity L1's ``L1MemoryDesc``; wrapped in ``SerdeL2AdapterWrapper``
+when the config has a ``serde`` block) -> ``set_backend_identity`` ->
 ``PeriodicEventNotifier`` -> ``QuotaManager`` -> ``L2EvictionController`` -> one
 ``StoreController`` per L1 -> one ``PrefetchController``. A failure unwinds what was built.
 
@@ -37,6 +38,10 @@ from lmcache.v1.distributed.l2_adapters.config import (
     get_type_name_for_config,
 )
 from lmcache.v1.distributed.l2_adapters.factory import create_l2_adapter_from_registry
+from lmcache.v1.distributed.l2_adapters.serde_wrapper import (
+    SerdeL2AdapterWrapper,
+    create_l2_serde,
+)
 from lmcache.v1.distributed.prefetch_controller import PrefetchController
 from lmcache.v1.distributed.storage_policies import create_prefetch_policy, create_store_policy
 from lmcache.v1.distributed.store_controller import StoreController
@@ -126,16 +131,17 @@ class StorageManager:
         )
 
     def _create_adapter(self, acfg: L2AdapterConfigBase) -> Any:
-        if getattr(acfg, "serde_config", None) is not None:
-            raise ValueError(
-                "L2 adapter 'serde' blocks are not supported by this build (the serialized "
-                "format is not specified); remove the 'serde' field"
-            )
+        serde_cfg = getattr(acfg, "serde_config", None)
+        serde = create_l2_serde(serde_cfg) if serde_cfg is not None else None  # fail early
         type_name = get_type_name_for_config(acfg)
         l1_index = self._l1_index_for_tag(acfg.affinity_tag)
         desc = self.l1_managers[l1_index].get_l1_memory_desc()
         adapter: L2AdapterInterface = create_l2_adapter_from_registry(acfg, desc)
         try:
+            if serde is not None:
+                adapter = SerdeL2AdapterWrapper(
+                    adapter, serde, serde_cfg.type, self.l1_managers[l1_index]
+                )
             adapter.set_backend_identity(type_name, bool(getattr(acfg, "shared", False)))
             slot = self.registry.add(adapter, type_name, acfg.affinity_tag, l1_index, acfg)
         except BaseException:

@@ -396,16 +396,11 @@ class CacheEngine:
             raise RequestError(
                 ErrorCode.INVALID_ARGUMENT, f"cannot open the KV cache: {exc}"
             ) from exc
-        cache_context = None
-        try:
-            from lmcache.v1.platform.cache_context import create_cache_context
-
-            cache_context = create_cache_context(
-                tensors, self.cs, layout_hints or None, engine_group_infos or ()
-            )
-        except Exception as exc:  # the copy path only needs the tensors
-            logger.debug("no cache context for instance %d: %s", instance_id, exc)
+        cache_context = _open_cache_context(
+            instance_id, wrappers, tensors, self.cs, layout_hints, engine_group_infos
+        )
         if self.cs % geo.block_size:
+            _close_cache_context(cache_context)
             _close_all(wrappers)
             raise RequestError(
                 ErrorCode.INVALID_ARGUMENT,
@@ -1184,6 +1179,55 @@ def _obj_tensor(obj: Any, lay: Layout) -> torch.Tensor:
     """A typed view of an L1 object in the registered chunk layout (no copy)."""
     raw = torch.frombuffer(_obj_bytes(obj, lay.nbytes), dtype=torch.uint8)
     return raw.view(lay.dtype).view(lay.shape)
+
+
+def _open_cache_context(
+    instance_id: int,
+    wrappers: list[Any],
+    tensors: list[Any],
+    chunk_size: int,
+    layout_hints: dict | None,
+    engine_group_infos: list | None,
+) -> Any:
+    """platform.md §6.3 check 4: the device's cache context, then event IPC on its device.
+
+    A device without either fails the registration (a RequestError the client sees as a
+    failed REGISTER); it never silently registers and it never takes the server down.
+    """
+    from lmcache.v1.platform.base.event_ipc import get_event_ipc_backend
+    from lmcache.v1.platform.cache_context import create_cache_context
+
+    cache_context = None
+    try:
+        cache_context = create_cache_context(
+            tensors, chunk_size, layout_hints or None, engine_group_infos or ()
+        )
+        device = cache_context.device
+        get_event_ipc_backend(device).check_event_support(device)
+        return cache_context
+    except Exception as exc:
+        _close_cache_context(cache_context)
+        _close_all(wrappers)
+        code = (
+            ErrorCode.NOT_SUPPORTED
+            if isinstance(exc, NotImplementedError | RuntimeError)
+            else ErrorCode.INVALID_ARGUMENT
+        )
+        logger.error(
+            "register_kv_cache for instance %d failed: %s: %s", instance_id, type(exc).__name__, exc
+        )
+        raise RequestError(
+            code, f"lmcache_driven registration needs a cache context with event IPC: {exc}"
+        ) from exc
+
+
+def _close_cache_context(cache_context: Any) -> None:
+    if cache_context is None:
+        return
+    try:
+        cache_context.close()
+    except Exception as exc:
+        logger.warning("closing a cache context failed: %s", exc)
 
 
 def _close_all(wrappers: list[Any]) -> None:

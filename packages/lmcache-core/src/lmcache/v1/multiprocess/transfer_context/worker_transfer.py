@@ -293,9 +293,13 @@ class LMCacheDrivenTransferContext(_BaseContext):
 
     def __init__(self, kv_caches: Any, *, wrapper_factory: Any, **kwargs: Any) -> None:
         super().__init__(kv_caches, **kwargs)
+        self.event_backend: Any = None  # set by register() once §6.3 check 3 passes
         self.wrappers = [wrapper_factory(t) for t in self.kv_caches]
 
     def register(self, model_name: str, world_size: int, engine_group_infos: Any = None) -> None:
+        # platform.md §6.3 check 3: fail closed before anything reaches the server, so a
+        # device without event IPC never registers and then sends empty event handles.
+        self.event_backend = _checked_event_backend(self.kv_caches)
         self._prepare_common(model_name, world_size)
         self.client.call(
             "register_kv_cache",
@@ -334,6 +338,20 @@ class LMCacheDrivenTransferContext(_BaseContext):
                 w.close()
             except Exception:
                 pass
+
+
+def _checked_event_backend(kv_caches: list[Any]) -> Any:
+    """The event IPC backend of the KV tensors' device, after its support check
+    (``RuntimeError`` with the platform's message when the device has none)."""
+    from lmcache.v1.platform.base.event_ipc import get_event_ipc_backend
+
+    first = kv_caches[0]
+    if isinstance(first, list | tuple):  # a layer given as planes
+        first = first[0]
+    device = first.device
+    backend = get_event_ipc_backend(device)
+    backend.check_event_support(device)
+    return backend
 
 
 def _ok_of(fut: MPFuture, op: str) -> MPFuture:
