@@ -329,16 +329,25 @@ def test_many_tasks_in_flight_from_several_threads(l1):
             for ks, os_ in zip(groups, objs, strict=True)
             for k, o in zip(ks, os_, strict=True)
         }
-        results = {}
+        tids: dict[int, int] = {}
 
-        def run(g):
-            results[g] = store(w, groups[g], objs[g])
+        def submit(g):  # concurrent submitters; results are collected below
+            tids[g] = w.submit_store_task(groups[g], objs[g])
 
-        threads = [threading.Thread(target=run, args=(g,)) for g in range(6)]
+        threads = [threading.Thread(target=submit, args=(g,)) for g in range(6)]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
+        assert len(set(tids.values())) == 6
+        results: dict[int, object] = {}
+
+        def collect():
+            results.update(w.pop_completed_store_tasks())
+            return True if len(results) == 6 else None
+
+        wait(collect)
+        assert set(results) == set(tids.values())
         assert all(r.is_successful() for r in results.values())
         assert inner.debug_num_keys() == 18
         all_keys = [k for ks in groups for k in ks]

@@ -209,11 +209,6 @@ def test_timed_out_request_leaves_pending_table_and_late_reply_is_dropped():
         router.close(linger=0)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="v1/multiprocess/server.py: an RPC bind failure on a bad --host always says "
-    "'pick another --port'; it should name --host when the address cannot be bound",
-)
 def test_bad_host_error_names_the_host_flag():
     out = _cli("--host", "999.1.1.1", "--port", "0", "--http-port", "0", "--l1-size-gb", "0.1")
     assert out.returncode != 0

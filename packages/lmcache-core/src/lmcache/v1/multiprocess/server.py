@@ -71,10 +71,13 @@ class MPCacheServer:
             sock.bind(addr)
         except zmq.ZMQError as exc:
             sock.close(linger=0)
-            raise OSError(
-                f"cannot bind the RPC socket to {addr}: {exc}; pick another --port or stop the "
-                "process using it"
-            ) from exc
+            if exc.errno == zmq.EADDRINUSE:
+                fix = "pick another --port or stop the process using it"
+            else:
+                fix = (
+                    "pass a --host this machine owns (e.g. localhost or 0.0.0.0) and a valid --port"
+                )
+            raise OSError(f"cannot bind the RPC socket to {addr}: {exc}; {fix}") from exc
         self._sock = sock
         self.endpoint = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
         self._thread = threading.Thread(target=self._loop, name="mq-server-thread", daemon=True)
