@@ -1197,10 +1197,14 @@ def _open_cache_context(
     from lmcache.v1.platform.base.event_ipc import get_event_ipc_backend
     from lmcache.v1.platform.cache_context import create_cache_context
 
+    # The worker sends a hints dict; the platform factory takes the layout hint itself
+    # ("NHD"/"HND", or one per layer).
+    hints = layout_hints or {}
+    layout_hint = hints.get("kv_layout") if isinstance(hints, dict) else hints
     cache_context = None
     try:
         cache_context = create_cache_context(
-            tensors, chunk_size, layout_hints or None, engine_group_infos or ()
+            tensors, chunk_size, layout_hint or None, engine_group_infos or ()
         )
         device = cache_context.device
         get_event_ipc_backend(device).check_event_support(device)
