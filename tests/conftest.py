@@ -13,7 +13,8 @@
           srv.stop()       # optional; returns the exit code
 
   ``lmcache_server_module`` is the same factory with module scope (one server shared by
-  a test module). Defaults: ``--l1-size-gb 0.25`` and ``--worker-reap-timeout-seconds 0`` unless the test
+  a test module). Defaults: ``--l1-size-gb 0.25``, ``--worker-reap-timeout-seconds 0`` and ``--shm-name ""``
+  (the copy path; the CLI's own default turns SHM on) unless the test
   passes its own value of those flags or ``test_defaults=False`` (then only the ports and
   ``--host 127.0.0.1`` are added).
 """
@@ -127,6 +128,8 @@ def _server_factory():
             argv += ["--l1-size-gb", "0.25"]
         if test_defaults and not _has_flag(argv, "--worker-reap-timeout-seconds"):
             argv += ["--worker-reap-timeout-seconds", "0"]
+        if test_defaults and not _has_flag(argv, "--shm-name"):
+            argv += ["--shm-name", ""]  # the copy path unless a test asks for SHM
         port, http_port = free_port(), free_port()
         argv += ["--host", "127.0.0.1", "--port", str(port), "--http-port", str(http_port)]
         srv = LMCacheServerProcess(argv, env, port, http_port)

@@ -81,8 +81,8 @@ def running_server(
         "--http-port",
         str(http_port),
     ]
-    if shm:
-        cmd += ["--shm-name", f"compat{os.getpid()}_{port}"]
+    # Explicit either way: our default turns SHM on, 0.5.6's leaves it off.
+    cmd += ["--shm-name", f"compat{os.getpid()}_{port}" if shm else ""]
     log = logdir / f"server-{label}-{'shm' if shm else 'copy'}-{port}.log"
     http_url = f"http://127.0.0.1:{http_port}"
     with open(log, "w") as out:

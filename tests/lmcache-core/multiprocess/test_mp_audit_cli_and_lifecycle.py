@@ -57,7 +57,7 @@ SECTION_13_DEFAULTS = {
     "--max-gpu-workers": "--max-workers",
     "--max-cpu-workers": "--max-workers",
     "--supported-transfer-mode": "auto",
-    "--shm-name": '""',
+    "--shm-name": "lmcache_l1_pool_<port>",
     "--l1-size-gb": "4",
     "--eviction-policy": "LRU",
     "--l1-use-lazy": "on",

@@ -455,6 +455,9 @@ def test_no_flag_start_defaults(lmcache_server, mp):
     assert st["l1_size_bytes"] == 4 << 30
     assert st["eviction_policy"] == "LRU"
     assert st["transfer_modes"] == ["lmcache_driven", "engine_driven"]
+    # The engine-driven SHM pool is on by default, named after the port.
+    assert st["engine_driven"]["shm_enabled"] is True
+    assert os.path.exists(f"/dev/shm/lmcache_l1_pool_{srv.port}")
 
 
 def test_shm_registration_and_disabled_reason(lmcache_server, srv_shm, mp):

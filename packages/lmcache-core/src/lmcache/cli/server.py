@@ -8,6 +8,7 @@ LMCache 0.5.6 (spec/protocol.md 13). SIGINT/SIGTERM stop it cleanly and unlink i
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import signal
 import socket
@@ -217,6 +218,15 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         eviction_policy_default=EVICTION_POLICY_DEFAULT,
         include_shm_name=True,
     )
+    # Embedded default: the engine-driven SHM pool is on, named after the port (so a restart
+    # on the same port reclaims a stale segment); --shm-name "" turns it off as in 0.5.6.
+    parser.set_defaults(shm_name=None)
+    for action in parser._actions:
+        if "--shm-name" in action.option_strings:
+            action.help = (
+                "POSIX shared-memory name for the L1 pool that engine-driven workers map; "
+                '"" disables SHM (copy path) (default: lmcache_l1_pool_<port>)'
+            )
     _fill_missing_help(parser)
 
 
@@ -279,7 +289,9 @@ def validate_args(args: argparse.Namespace) -> None:
     ):
         if v < 0:
             raise CLIError(f"{flag} must be >= 0 (got {v})")
-    shm_name = args.shm_name or ""
+    if args.shm_name is None:
+        args.shm_name = default_shm_name(args)
+    shm_name = args.shm_name
     # One leading "/" is POSIX style and stripped; any other "/" or a NUL cannot name a
     # /dev/shm file, so refuse it here instead of failing deep in the storage engine.
     if "/" in shm_name[1:] or "\0" in shm_name or shm_name == "/":
@@ -289,6 +301,14 @@ def validate_args(args: argparse.Namespace) -> None:
         )
     if args.session_ttl_seconds == 0:
         raise CLIError("--session-ttl-seconds must be positive (got 0)")
+
+
+def default_shm_name(args: argparse.Namespace) -> str:
+    """The SHM pool name used when --shm-name is not given ("" where SHM cannot work)."""
+    if getattr(args, "l1_use_hugepages", False):
+        return ""  # hugepages and SHM exclude each other; hugepages were asked for explicitly
+    suffix = args.port if args.port else os.getpid()
+    return f"lmcache_l1_pool_{suffix}"
 
 
 def build_configs(args: argparse.Namespace):
