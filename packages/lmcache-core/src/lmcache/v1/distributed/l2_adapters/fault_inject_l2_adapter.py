@@ -14,9 +14,9 @@ from typing import Any
 
 from lmcache.lmcache_native import Bitmap
 from lmcache.utils import init_logger
-from lmcache.v1.distributed.api import KeyListPage, MemoryLayoutDesc, ObjectKey
-from lmcache.v1.distributed.internal_api import L1MemoryDesc, L2AdapterListener, L2StoreResult
-from lmcache.v1.distributed.l2_adapters.base import AdapterUsage, L2AdapterInterface, L2TaskId
+from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey
+from lmcache.v1.distributed.internal_api import L1MemoryDesc, L2StoreResult
+from lmcache.v1.distributed.l2_adapters.base import L2TaskId
 from lmcache.v1.distributed.l2_adapters.config import (
     L2AdapterConfigBase,
     build_config_from_dict,
@@ -27,6 +27,7 @@ from lmcache.v1.distributed.l2_adapters.factory import (
     create_l2_adapter_from_registry,
     register_l2_adapter_factory,
 )
+from lmcache.v1.distributed.l2_adapters.wrapping import WrappingL2Adapter
 from lmcache.v1.memory_management import MemoryObj
 
 logger = init_logger(__name__)
@@ -115,7 +116,7 @@ def dropped_positions(cfg: FaultInjectL2AdapterConfig, keys: list[ObjectKey]) ->
     return out
 
 
-class FaultInjectL2Adapter(L2AdapterInterface):
+class FaultInjectL2Adapter(WrappingL2Adapter):
     def __init__(
         self, config: FaultInjectL2AdapterConfig, l1_memory_desc: L1MemoryDesc | None = None
     ) -> None:
@@ -132,10 +133,6 @@ class FaultInjectL2Adapter(L2AdapterInterface):
             config.gap_indices,
             config.gap_tail_ratios,
         )
-
-    @property
-    def inner(self) -> L2AdapterInterface:
-        return self._inner
 
     def get_store_event_fd(self) -> int:
         return self._inner.get_store_event_fd()
@@ -162,9 +159,6 @@ class FaultInjectL2Adapter(L2AdapterInterface):
     def query_lookup_and_lock_result(self, task_id: L2TaskId) -> Bitmap | None:
         return self._inner.query_lookup_and_lock_result(task_id)
 
-    def submit_unlock(self, keys: list[ObjectKey]) -> None:
-        self._inner.submit_unlock(keys)
-
     def submit_load_task(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> L2TaskId:
         tid = self._inner.submit_load_task(keys, objects)
         with self._mu:
@@ -181,28 +175,6 @@ class FaultInjectL2Adapter(L2AdapterInterface):
             if i < bm.size():
                 bm.clear(i)
         return bm
-
-    def delete(self, keys: list[ObjectKey]) -> None:
-        self._inner.delete(keys)
-
-    def list_l2_keys(
-        self, model_name: str | None = None, page_size: int = 500, cursor: str | None = None
-    ) -> KeyListPage:
-        return self._inner.list_l2_keys(model_name, page_size, cursor)
-
-    @property
-    def max_capacity_bytes(self) -> int:
-        return self._inner.max_capacity_bytes
-
-    def get_usage(self) -> AdapterUsage:
-        return self._inner.get_usage()
-
-    def register_listener(self, listener: L2AdapterListener) -> None:
-        self._inner.register_listener(listener)
-
-    def set_backend_identity(self, name: str, shared: bool = False) -> None:
-        super().set_backend_identity(name, shared)
-        self._inner.set_backend_identity(name, shared)
 
     def report_status(self) -> dict[str, Any]:
         status = dict(self._inner.report_status())

@@ -25,11 +25,12 @@ import torch
 
 from lmcache.lmcache_native import Bitmap
 from lmcache.utils import init_logger
-from lmcache.v1.distributed.api import KeyListPage, MemoryLayoutDesc, ObjectKey
+from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey
 from lmcache.v1.distributed.internal_api import L1Error, L2AdapterListener, L2StoreResult
-from lmcache.v1.distributed.l2_adapters.base import AdapterUsage, L2AdapterInterface, L2TaskId
+from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface, L2TaskId
 from lmcache.v1.distributed.l2_adapters.config import SerdeConfig
 from lmcache.v1.distributed.l2_adapters.utils import OnceResults, TaskIds
+from lmcache.v1.distributed.l2_adapters.wrapping import WrappingL2Adapter
 from lmcache.v1.memory_management import MemoryObj
 from lmcache.v1.platform.event_notifier import consume_fd, create_event_notifier
 
@@ -157,7 +158,7 @@ class _SizeForgetter(L2AdapterListener):
                 self._sizes.pop(k, None)
 
 
-class SerdeL2AdapterWrapper(L2AdapterInterface):
+class SerdeL2AdapterWrapper(WrappingL2Adapter):
     def __init__(
         self, inner: L2AdapterInterface, serde: L2Serde, serde_name: str, l1_manager: Any
     ) -> None:
@@ -182,10 +183,6 @@ class SerdeL2AdapterWrapper(L2AdapterInterface):
         inner.register_listener(_SizeForgetter(self._sizes, self._mu))
         self._thread = threading.Thread(target=self._run, name="l2-serde-wrapper", daemon=True)
         self._thread.start()
-
-    @property
-    def inner(self) -> L2AdapterInterface:
-        return self._inner
 
     # --- fds -------------------------------------------------------------------------------
 
@@ -312,17 +309,6 @@ class SerdeL2AdapterWrapper(L2AdapterInterface):
     def query_lookup_and_lock_result(self, task_id: L2TaskId) -> Bitmap | None:
         return self._inner.query_lookup_and_lock_result(task_id)
 
-    def submit_unlock(self, keys: list[ObjectKey]) -> None:
-        self._inner.submit_unlock(keys)
-
-    def delete(self, keys: list[ObjectKey]) -> None:
-        self._inner.delete(keys)
-
-    def list_l2_keys(
-        self, model_name: str | None = None, page_size: int = 500, cursor: str | None = None
-    ) -> KeyListPage:
-        return self._inner.list_l2_keys(model_name, page_size, cursor)
-
     # --- load ----------------------------------------------------------------------------------
 
     def submit_load_task(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> L2TaskId:
@@ -390,20 +376,6 @@ class SerdeL2AdapterWrapper(L2AdapterInterface):
         return self._load_done.take(task_id)
 
     # --- accounting and status: the inner adapter's ----------------------------------------------
-
-    @property
-    def max_capacity_bytes(self) -> int:
-        return self._inner.max_capacity_bytes
-
-    def get_usage(self) -> AdapterUsage:
-        return self._inner.get_usage()
-
-    def register_listener(self, listener: L2AdapterListener) -> None:
-        self._inner.register_listener(listener)
-
-    def set_backend_identity(self, name: str, shared: bool = False) -> None:
-        super().set_backend_identity(name, shared)
-        self._inner.set_backend_identity(name, shared)
 
     def report_status(self) -> dict[str, Any]:
         status = dict(self._inner.report_status())
