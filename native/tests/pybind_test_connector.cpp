@@ -11,6 +11,7 @@
 #include <string>
 #include <thread>
 #include <unordered_map>
+#include <vector>
 
 #include "connector_base.h"
 #include "connector_pybind_utils.h"
@@ -30,7 +31,16 @@ class TestConnector : public ConnectorBase<TestConn> {
   ~TestConnector() override { close(); }
 
   std::atomic<int> submit_delay_ms{0};
+  std::atomic<int> drain_delay_ms{0};
   std::atomic<bool> fail_connect{false};
+  // True while a delay runs inside a submit or drain: a Python thread that sees it true ran
+  // while the calling thread was inside C++, i.e. the GIL was released.
+  std::atomic<bool> in_delay{false};
+
+  std::vector<Completion> drain_completions() override {
+    delay(drain_delay_ms.load());
+    return ConnectorBase<TestConn>::drain_completions();
+  }
 
  protected:
   TestConn create_connection() override {
@@ -39,8 +49,7 @@ class TestConnector : public ConnectorBase<TestConn> {
   }
   size_t choose_num_tiles(Op op, size_t n) override {
     // Runs inside submit: a slow submit shows whether the GIL is held.
-    int ms = submit_delay_ms.load();
-    if (ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+    delay(submit_delay_ms.load());
     return ConnectorBase<TestConn>::choose_num_tiles(op, n);
   }
   bool do_single_get(TestConn&, const std::string& key, void* buf, size_t len, size_t) override {
@@ -65,6 +74,13 @@ class TestConnector : public ConnectorBase<TestConn> {
   }
 
  private:
+  void delay(int ms) {
+    if (ms <= 0) return;
+    in_delay = true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+    in_delay = false;
+  }
+
   std::mutex mu_;
   std::unordered_map<std::string, std::string> data_;
 };
@@ -73,6 +89,8 @@ PYBIND11_MODULE(_lmcache_test_connector, m) {
   py::class_<TestConnector>(m, "TestConnector")
       .def(py::init<int, bool>(), py::arg("num_workers") = 2, py::arg("fail_connect") = false)
       .def("set_submit_delay_ms", [](TestConnector& c, int ms) { c.submit_delay_ms = ms; })
+      .def("set_drain_delay_ms", [](TestConnector& c, int ms) { c.drain_delay_ms = ms; })
+      .def("in_delay", [](TestConnector& c) { return c.in_delay.load(); })
       .def("set_fail_connect", [](TestConnector& c, bool f) { c.fail_connect = f; })
           LMCACHE_BIND_CONNECTOR_METHODS(TestConnector);
 }

@@ -216,6 +216,50 @@ def test_odirect_aligned_and_unaligned_buffers(h, fs_type, adapters, tmp_path, o
     assert torch.equal(src.raw_tensor[:8192], dst.raw_tensor[:8192])
 
 
+def test_odirect_flag_only_for_aligned_buffers_and_one_warning(
+    h, adapters, tmp_path, monkeypatch, caplog
+):
+    """The Python `fs` type opens data files with O_DIRECT exactly when the buffer is aligned,
+    and warns once (not per buffer) about unaligned ones."""
+    if not hasattr(os, "O_DIRECT"):
+        pytest.skip("os.O_DIRECT not available on this platform")
+    from lmcache.storage.fs import _files
+
+    opened: list[int] = []
+    real_open = _files.os.open
+
+    def recording_open(path, flags, *args, **kwargs):
+        if str(path).startswith(str(tmp_path)) and not flags & os.O_DIRECTORY:
+            opened.append(flags)
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(_files.os, "open", recording_open)
+    a = h.build("fs", base_path=str(tmp_path), use_odirect=True)
+    adapters.append(a)
+
+    def direct_flags(step) -> list[bool]:
+        opened.clear()
+        step()
+        assert opened, "the adapter opened no data file"
+        return [bool(f & os.O_DIRECT) for f in opened]
+
+    caplog.set_level("WARNING")
+    aligned = h.make_obj(8192, seed=1, align=4096, offset=0)
+    assert all(direct_flags(lambda: h.store(a, [h.key(1)], [aligned])))
+    dst = h.make_obj(8192, seed=-1, align=4096, offset=0)
+    assert all(direct_flags(lambda: h.load(a, [h.key(1)], [dst])))
+    assert not [r for r in caplog.records if "not aligned" in r.getMessage()]
+
+    for i in (2, 3):  # two unaligned buffers: buffered I/O, a single warning
+        odd = h.make_obj(8192, seed=i, align=4096, offset=1)
+        assert not any(direct_flags(lambda o=odd, i=i: h.store(a, [h.key(i)], [o])))
+        back = h.make_obj(8192, seed=-1, align=4096, offset=1)
+        assert not any(direct_flags(lambda b=back, i=i: h.load(a, [h.key(i)], [b])))
+        assert bytes(back.byte_array) == bytes(odd.byte_array)
+    assert len([r for r in caplog.records if "not aligned" in r.getMessage()]) == 1
+    assert bytes(dst.byte_array) == bytes(aligned.byte_array)
+
+
 def test_relative_tmp_dir_holds_temp_files(h, fs_type, adapters, tmp_path):
     a = h.build(fs_type, base_path=str(tmp_path), relative_tmp_dir="staging")
     adapters.append(a)

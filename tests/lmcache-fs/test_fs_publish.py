@@ -178,6 +178,21 @@ def test_fsync_option(h, tmp_path, adapters, monkeypatch, fsync):
     assert (len(synced) >= 2) if fsync else (synced == [])
 
 
+@pytest.mark.parametrize("fsync", [True, False])
+def test_fs_native_fsync_option(h, tmp_path, adapters, fsync):
+    """The C++ client counts its successful fsyncs: one per file and one directory fsync per
+    tile that published, when on; none when off."""
+    a = h.build("fs_native", base_path=str(tmp_path), fsync=fsync, num_workers=1)
+    adapters.append(a)
+    assert a.report_status()["extra_status"]["fsync_count"] == 0
+    keys = [h.key(i) for i in range(3)]
+    assert h.store(a, keys, [h.make_obj(100, seed=i) for i in range(3)]).is_successful()
+    count = a.report_status()["extra_status"]["fsync_count"]
+    assert (count >= 4) if fsync else (count == 0)  # 3 files + at least 1 directory
+    h.store(a, keys, [h.make_obj(100, seed=i) for i in range(3)])  # duplicates: no new file
+    assert a.report_status()["extra_status"]["fsync_count"] == count
+
+
 @pytest.mark.parametrize(
     ("fields", "message"),
     [

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import select
+import signal
 import socket
 import time
 
@@ -182,15 +183,22 @@ def test_server_killed_mid_batch_fails_then_recovers(h, adapters, redis_server):
     adapters.append(a)
     keys = [h.key(i) for i in range(64)]
     objs = [h.make_obj(1 << 20, seed=i % 4) for i in range(64)]
+    # A stopped server accepts bytes into its socket buffer but never replies, so the batch
+    # is provably still in flight when the server dies.
+    os.kill(redis_server.proc.pid, signal.SIGSTOP)
     tid = a.submit_store_task(keys, objs)
-    time.sleep(0.01)
-    redis_server.kill()
     done: dict = {}
+    select.select([a.get_store_event_fd()], [], [], 0.5)
+    done.update(a.pop_completed_store_tasks())
+    assert tid not in done  # no reply can have come: the task is in flight
+    redis_server.kill()  # SIGKILL works on a stopped process
     deadline = time.monotonic() + 30
     while tid not in done and time.monotonic() < deadline:
         select.select([a.get_store_event_fd()], [], [], 0.2)
         done.update(a.pop_completed_store_tasks())
     assert tid in done  # a completion arrives: no hang, no crash
+    assert not done[tid].is_successful()  # the in-flight batch is reported as failed
+    assert done[tid].bytes_transferred() < sum(o.get_size() for o in objs)
     # While the server is down every task completes as a failure or a miss.
     assert not h.store(a, [h.key(1000)], [h.make_obj(10)]).is_successful()
     assert h.lookup(a, [keys[0]]).test(0) is False

@@ -139,30 +139,62 @@ def test_buffer_checks(testmod):
     c.close()
 
 
-def test_submit_and_drain_release_the_gil(testmod):
-    c = testmod.TestConnector(1)
-    c.set_submit_delay_ms(300)
-    ticks = 0
+def _runs_python_during(conn: Any, call: Any) -> tuple[bool, Any]:
+    """Calls `call()` (a native call that delays in C++) while a Python thread spins asking the
+    connector whether the delay is in progress; the thread can only see it in progress if the
+    calling thread released the GIL."""
+    seen_in_call = threading.Event()
     stop = threading.Event()
 
     def spin() -> None:
-        nonlocal ticks
         while not stop.is_set():
-            ticks += 1
+            if conn.in_delay():
+                seen_in_call.set()
+                return
 
     t = threading.Thread(target=spin)
     t.start()
     try:
-        time.sleep(0.05)
-        before = ticks
-        fid = c.submit_batch_exists(["x"])  # blocks 300 ms in C++ without the GIL
-        during = ticks - before
+        result = call()
     finally:
         stop.set()
         t.join()
-    assert during > 1000  # the Python thread kept running during the C++ call
+    return seen_in_call.is_set(), result
+
+
+@pytest.mark.parametrize("kind", ["exists", "delete", "get", "set"])
+def test_submits_release_the_gil(testmod, kind):
+    c = testmod.TestConnector(1)
+    buf = bytearray(b"v" * 64)
+    out = bytearray(64)  # must outlive the get: the worker writes into it after submit returns
+    _wait(c, c.submit_batch_set(["x"], [memoryview(buf)]))
+    submit = {
+        "exists": lambda: c.submit_batch_exists(["x"]),
+        "delete": lambda: c.submit_batch_delete(["x"]),
+        "get": lambda: c.submit_batch_get(["x"], [memoryview(out)]),
+        "set": lambda: c.submit_batch_set(["x"], [memoryview(buf)]),
+    }[kind]
+    c.set_submit_delay_ms(300)
+    released, fid = _runs_python_during(c, submit)
+    assert released, f"submit_batch_{kind} held the GIL while blocked in C++"
     c.set_submit_delay_ms(0)
     assert _wait(c, fid)[1] is True
+    assert out == (buf if kind == "get" else bytearray(64))
+    c.close()
+
+
+def test_drain_completions_releases_the_gil(testmod):
+    c = testmod.TestConnector(1)
+    fid = c.submit_batch_exists(["x"])
+    c.set_drain_delay_ms(300)
+    seen: list = []
+    deadline = time.monotonic() + 10
+    while not any(x[0] == fid for x in seen):
+        assert time.monotonic() < deadline, "no completion"
+        select.select([c.event_fd()], [], [], 0.1)
+        released, got = _runs_python_during(c, c.drain_completions)
+        assert released, "drain_completions held the GIL while blocked in C++"
+        seen += got
     c.close()
 
 

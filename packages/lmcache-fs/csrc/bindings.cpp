@@ -15,6 +15,8 @@ PYBIND11_MODULE(_native, m) {
            py::arg("use_odirect") = false, py::arg("read_ahead_size") = 0,
            py::arg("fsync") = true)
       .def_property_readonly("base_path", &FSConnector::base_path)
+      .def_property_readonly("fsync_count", &FSConnector::fsync_count,
+                             "Successful file and directory fsyncs so far.")
           LMCACHE_BIND_CONNECTOR_METHODS(FSConnector);
   m.def("native_key_to_filename", &lmcache::storage::fs::native_key_to_filename, py::arg("key"),
         "The file name fs_native uses for a native key string.");

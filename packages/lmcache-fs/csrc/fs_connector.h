@@ -9,6 +9,7 @@
 #include <sys/types.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <cstdint>
 #include <cstdio>
@@ -86,6 +87,7 @@ class FSConnector : public connector::ConnectorBase<FSConnection> {
   ~FSConnector() override { close(); }
 
   const std::string& base_path() const { return base_; }
+  uint64_t fsync_count() const { return fsync_count_.load(std::memory_order_relaxed); }
 
  protected:
   FSConnection create_connection() override {
@@ -178,10 +180,10 @@ class FSConnector : public connector::ConnectorBase<FSConnection> {
     return fd;
   }
 
-  static void fsync_dir(const std::string& dir) {
+  void fsync_dir(const std::string& dir) {
     int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
     if (dfd < 0) return;
-    ::fsync(dfd);
+    if (::fsync(dfd) == 0) fsync_count_.fetch_add(1, std::memory_order_relaxed);
     ::close(dfd);
   }
 
@@ -216,11 +218,14 @@ class FSConnector : public connector::ConnectorBase<FSConnection> {
       }
       done += static_cast<size_t>(n);  // short writes are retried
     }
-    if (fsync_ && ::fsync(fd) != 0) {
-      int err = errno;
-      ::close(fd);
-      ::unlink(tmp_path.c_str());
-      throw std::runtime_error(errno_text("fsync failed for", tmp_path, err));
+    if (fsync_) {
+      if (::fsync(fd) != 0) {
+        int err = errno;
+        ::close(fd);
+        ::unlink(tmp_path.c_str());
+        throw std::runtime_error(errno_text("fsync failed for", tmp_path, err));
+      }
+      fsync_count_.fetch_add(1, std::memory_order_relaxed);
     }
     ::close(fd);
 
@@ -244,6 +249,7 @@ class FSConnector : public connector::ConnectorBase<FSConnection> {
   bool use_odirect_;
   size_t read_ahead_;
   bool fsync_;
+  std::atomic<uint64_t> fsync_count_{0};  // successful file + directory fsyncs, for status
   size_t block_ = 4096;
 };
 

@@ -42,6 +42,7 @@ class FSNativeL2Adapter(NativeConnectorL2Adapter):
         )
         self._scan = ScanProgress()
         self._base_path = base
+        self._fs_client = client
         super().__init__(
             client,
             max_capacity_gb=config.max_capacity_gb,
@@ -66,7 +67,11 @@ class FSNativeL2Adapter(NativeConnectorL2Adapter):
             listener.on_l2_keys_stored([k for k, _ in known], [s for _, s in known])
 
     def _status(self) -> dict[str, Any]:
-        return {"base_path": self._base_path, "scan": self._scan.as_dict()}
+        return {
+            "base_path": self._base_path,
+            "scan": self._scan.as_dict(),
+            "fsync_count": self._fs_client.fsync_count,
+        }
 
 
 def create_fs_native_adapter(config: FSNativeL2AdapterConfig) -> FSNativeL2Adapter:
