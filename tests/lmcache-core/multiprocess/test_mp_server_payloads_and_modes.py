@@ -255,7 +255,8 @@ def test_client_killed_mid_shm_store_leaves_nothing_readable(lmcache_server):
         with MPClient(srv.rpc_url, default_timeout=20) as c:
             deadline = time.monotonic() + 15
             while f"Reaped instance {iid}" not in srv.log():
-                assert time.monotonic() < deadline, srv.log()
+                if time.monotonic() >= deadline:
+                    pytest.fail(f"the killed worker was never reaped:\n{srv.log()}")
                 time.sleep(0.2)
             c.call("lookup", _key("killed-model", "after", worker_id=None), 1)
             assert c.call("wait_prefetch_status", "after", 10.0) == 0
