@@ -258,6 +258,13 @@ def prefetch(sm: StorageManager, s: PrefetchTaskSpec):
 # --- store controller ---------------------------------------------------------------------------
 
 
+def store_in_l2_only(sm, adapter, keys) -> None:
+    """Write ``keys`` through L1, wait until ``adapter`` holds them, then drop them from L1."""
+    write(sm, keys)
+    eventually(lambda: len(adapter.data) >= len(keys))
+    sm.delete_l1_keys(keys)
+
+
 def test_l1_write_is_stored_to_every_adapter_and_pins_released():
     a, b = ScriptedAdapter(), ScriptedAdapter()
     sm = make_sm([scripted(a), scripted(b)])
@@ -428,9 +435,7 @@ def test_full_prefix_hit_from_l2_locks_in_l1():
     sm = make_sm([scripted(a)])
     try:
         keys = [key(i) for i in range(5)]
-        write(sm, keys)
-        eventually(lambda: len(a.data) == 5)
-        sm.delete_l1_keys(keys)
+        store_in_l2_only(sm, a, keys)
         r = prefetch(sm, spec(keys))
         assert repr(r.hit_cells[0]) == "11111" and repr(r.l2_hit_cells[0]) == "11111"
         assert r.l1_hit_cells[0].popcount() == 0 and r.l1_owners == [[0] * 5]
@@ -451,9 +456,7 @@ def test_retain_policy_keeps_loaded_keys():
     sm = make_sm([scripted(a)], l2_prefetch_policy="retain")
     try:
         keys = [key(i) for i in range(3)]
-        write(sm, keys)
-        eventually(lambda: len(a.data) == 3)
-        sm.delete_l1_keys(keys)
+        store_in_l2_only(sm, a, keys)
         r = prefetch(sm, spec(keys))
         sm.finish_read_prefetched(keys, 1, r.l1_owners[0])
         assert set(sm.get_l1_manager().keys()) == set(keys)
@@ -482,9 +485,7 @@ def test_gap_gives_prefix_and_loads_nothing_past_it():
     sm = make_sm([scripted(a)])
     try:
         keys = [key(i) for i in range(5)]
-        write(sm, keys)
-        eventually(lambda: len(a.data) == 5)
-        sm.delete_l1_keys(keys)
+        store_in_l2_only(sm, a, keys)
         del a.data[key(2)]
         r = prefetch(sm, spec(keys))
         assert r.hit_prefix_length() == 2 and repr(r.hit_cells[0]) == "11000"
@@ -586,9 +587,7 @@ def test_full_policy_and_sliding_window_rejection():
     sm = make_sm([scripted(a)])
     try:
         keys = [key(i) for i in range(4)]
-        write(sm, keys)
-        eventually(lambda: len(a.data) == 4)
-        sm.delete_l1_keys(keys)
+        store_in_l2_only(sm, a, keys)
         del a.data[key(1)]
         r = prefetch(sm, spec(keys, fetching_policy="full"))
         assert repr(r.hit_cells[0]) == "1011" and repr(r.found_cells[0]) == "1011"
@@ -646,9 +645,7 @@ def test_hung_lookup_hits_deadline_and_late_result_is_unlocked():
     sm = make_sm([scripted(a)], l2_lookup_timeout_seconds=0.3)
     try:
         keys = [key(i) for i in range(3)]
-        write(sm, keys)
-        eventually(lambda: len(a.data) == 3)
-        sm.delete_l1_keys(keys)
+        store_in_l2_only(sm, a, keys)
         a.lookup_gate.clear()
         r = prefetch(sm, spec(keys))
         assert r.hit_cells[0].popcount() == 0
@@ -664,9 +661,7 @@ def test_hung_load_keeps_buffers_pinned_until_late_result():
     sm = make_sm([scripted(a)], l2_load_timeout_seconds=0.3)
     try:
         keys = [key(i) for i in range(3)]
-        write(sm, keys)
-        eventually(lambda: len(a.data) == 3)
-        sm.delete_l1_keys(keys)
+        store_in_l2_only(sm, a, keys)
         a.load_gate.clear()
         r = prefetch(sm, spec(keys))
         assert r.hit_cells[0].popcount() == 0
