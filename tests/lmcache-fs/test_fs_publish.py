@@ -129,6 +129,54 @@ def test_killed_writer_never_leaves_a_torn_file(tmp_path, type_name):
         assert (tmp_path / name).read_bytes() == _expected(i, 0, size), name
 
 
+def test_fs_native_killed_writer_leaves_no_temp_files(h, tmp_path, adapters):
+    """fs_native writes into an unnamed O_TMPFILE inode (ext4 and tmpfs have them): a writer
+    killed mid-write leaves no temp file behind, not even one the start-up scan must clean."""
+    probe = h.build("fs_native", base_path=str(tmp_path))
+    adapters.append(probe)
+    assert probe.report_status()["extra_status"]["publish_mode"] == "tmpfile"
+    for round_ in range(3):
+        p = _child("fs_native", tmp_path, 0, round_ * 1000, 1000, 1 << 20, False)
+        assert p.stdout.readline().strip() == "ready"
+        assert p.stdout.readline().startswith("stored")
+        p.send_signal(signal.SIGKILL)
+        p.wait(timeout=30)
+    names = os.listdir(tmp_path)
+    assert [n for n in names if not n.endswith(".data")] == []
+    for name in names:
+        i = int(name.split("@")[3].removesuffix(".data"), 16)
+        assert (tmp_path / name).read_bytes() == _expected(i, 0, 1 << 20), name
+
+
+@pytest.fixture
+def named_temp_fs_native(monkeypatch):
+    """fs_native as it runs on filesystems without O_TMPFILE (NFS, many FUSE mounts)."""
+    from lmcache.storage.fs.native_adapter import FSNativeL2Adapter
+
+    monkeypatch.setattr(FSNativeL2Adapter, "allow_tmpfile", False)
+
+
+@pytest.mark.usefixtures("named_temp_fs_native")
+def test_fs_native_named_temp_publish_round_trips_without_leftovers(h, tmp_path, adapters):
+    a = h.build("fs_native", base_path=str(tmp_path), relative_tmp_dir="staging", num_workers=8)
+    adapters.append(a)
+    assert a.report_status()["extra_status"]["publish_mode"] == "named_temp"
+    k = h.key(7)
+    objs = [h.make_obj(64 * 1024, seed=s) for s in range(8)]
+    tids = [a.submit_store_task([k], [o]) for o in objs]  # eight writers race on one key
+    results: dict = {}
+    assert h.wait_until(lambda: results.update(a.pop_completed_store_tasks()) or len(results) == 8)
+    assert all(results[t].is_successful() for t in tids)
+    assert sum(results[t].bytes_transferred() for t in tids) == 64 * 1024  # one winner
+    assert sorted(os.listdir(tmp_path)) == sorted([object_key_to_filename(k), "staging"])
+    assert os.listdir(tmp_path / "staging") == []
+    winner = (tmp_path / object_key_to_filename(k)).read_bytes()
+    assert winner in {bytes(o.byte_array) for o in objs}
+    dst = h.make_obj(64 * 1024, seed=-1)
+    assert h.load(a, [k], [dst]).test(0) is True
+    assert bytes(dst.byte_array) == winner
+
+
 def test_publish_never_replaces_and_discards_loser_temp(tmp_path):
     final = tmp_path / "m@0x00000000@0@00000001.data"
     final.write_bytes(b"winner")

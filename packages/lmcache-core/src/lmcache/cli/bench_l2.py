@@ -8,6 +8,11 @@ with buffers carved from one arena, waits on the adapter's event fds and records
 duration. Reported per op (store, lookup, load): p50/p99 task duration, average/min/max MB/s
 over rounds, average latency per key and success counts. ``--l2-adapter`` is repeatable (each
 adapter is benchmarked on its own) and falls back to the env var ``L2_ADAPTER_JSON``.
+
+``--baselines`` adds ``baselines.page_cache_write``: after every store round, the same bytes are
+written into fresh files by plain threads (open, write, close; nothing else), in a scratch
+directory beside the adapter's ``base_path`` (or a temp directory). It is the ceiling a file
+backend can reach on this machine at that moment, measured interleaved with the adapter.
 """
 
 from __future__ import annotations
@@ -74,6 +79,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="run only this op (store runs first as setup when needed, unmeasured)",
     )
+    p.add_argument(
+        "--baselines",
+        action="store_true",
+        help="also measure plain threaded file writes of the same bytes (page-cache ceiling)",
+    )
     p.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for one task")
     p.add_argument("--output", metavar="FILE", default=None, help="also write the JSON here")
     p.set_defaults(func=run)
@@ -94,13 +104,18 @@ class _Bench:
         self.arena = arena
         self.nbytes = args.data_size_kb * 1024
         self.store_results: dict[int, Any] = {}
+        # Keys differ between runs too: a persistent backend (fs, redis) would otherwise skip
+        # the keys an earlier run stored and the store figures would count bytes never written.
+        self.run_nonce = os.urandom(8).hex()
 
     def keys(self, tag: str, rnd: int, task: int):
         from lmcache.v1.distributed.api import ObjectKey
 
         return [
             ObjectKey(
-                hashlib.blake2b(f"{tag}:{rnd}:{task}:{i}".encode(), digest_size=16).digest(),
+                hashlib.blake2b(
+                    f"{self.run_nonce}:{tag}:{rnd}:{task}:{i}".encode(), digest_size=16
+                ).digest(),
                 "lmcache-bench-l2",
                 0,
             )
@@ -136,6 +151,7 @@ class _Bench:
         submitted = []
         t0 = time.perf_counter()
         for t in range(n_tasks):
+            start = time.perf_counter()  # a task's duration includes its submit call
             if op == "store":
                 keys = self.keys("k", rnd, t)
                 tid = self.a.submit_store_task(keys, objs[t])
@@ -151,7 +167,7 @@ class _Bench:
                 tid = self.a.submit_load_task(keys, objs[t])
                 fd = self.a.get_load_event_fd()
                 poll = functools.partial(self.a.query_load_result, tid)
-            submitted.append((t, keys, tid, fd, poll, time.perf_counter()))
+            submitted.append((t, keys, tid, fd, poll, start))
         durations, ok_keys, ok_tasks = [], 0, 0
         for _t, keys, _tid, fd, poll, start in submitted:
             res = self.wait(fd, poll, deadline)
@@ -178,6 +194,65 @@ class _Bench:
             "tasks": n_tasks,
             "keys": n_tasks * self.args.num_keys,
         }
+
+
+class _PageCacheBaseline:
+    """Writes each round's buffers into fresh files with plain threads: what any file backend
+    must at least do (create, copy into the page cache, close)."""
+
+    def __init__(self, directory: str, threads: int) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.dir = directory
+        self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="bench-baseline")
+        self.threads = threads
+        self.count = 0
+
+    def _write(self, name: str, view: memoryview) -> None:
+        fd = os.open(os.path.join(self.dir, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            done = 0
+            while done < len(view):
+                done += os.write(fd, view[done:])
+        finally:
+            os.close(fd)
+
+    def run_round(self, groups: list[list[Any]]) -> dict[str, Any]:
+        views = [o.byte_array for g in groups for o in g]
+        names = [f"baseline-{self.count + i}" for i in range(len(views))]
+        self.count += len(views)
+        t0 = time.perf_counter()
+        list(self.pool.map(self._write, names, views))
+        wall = time.perf_counter() - t0
+        return {"durations": [wall], "wall": wall, "bytes": sum(len(v) for v in views)}
+
+    def summary(self, rounds: list[dict[str, Any]]) -> dict[str, Any]:
+        mbps = [r["bytes"] / r["wall"] / 1e6 for r in rounds if r["wall"] > 0]
+        return {
+            "what": "plain threaded open/write/close of the same bytes into fresh files",
+            "directory": self.dir,
+            "threads": self.threads,
+            "rounds": len(rounds),
+            "avg_mb_per_s": round(statistics.fmean(mbps), 2) if mbps else 0.0,
+            "min_mb_per_s": round(min(mbps), 2) if mbps else 0.0,
+            "max_mb_per_s": round(max(mbps), 2) if mbps else 0.0,
+        }
+
+    def close(self) -> None:
+        import shutil
+
+        self.pool.shutdown(wait=True)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _baseline_dir(spec: dict[str, Any]) -> str:
+    import tempfile
+
+    base = spec.get("base_path")
+    if isinstance(base, str) and base:
+        os.makedirs(base, exist_ok=True)
+        return tempfile.mkdtemp(prefix=".lmcache-bench-baseline-", dir=base)
+    return tempfile.mkdtemp(prefix="lmcache-bench-baseline-")
 
 
 def _summary(op: str, rounds: list[dict[str, Any]], num_keys: int) -> dict[str, Any]:
@@ -224,6 +299,11 @@ def _bench_one(spec_json: str, index: int, args: argparse.Namespace) -> dict[str
         slot * n_bufs + align, align, shm_name="", use_hugepages=args.l1_use_hugepages
     )
     adapter = create_l2_adapter_from_registry(cfg, alloc.memory_desc())
+    baseline = None
+    if args.baselines:
+        workers = d.get("num_workers")
+        threads = workers if isinstance(workers, int) and workers > 0 else 4
+        baseline = _PageCacheBaseline(_baseline_dir(d), threads)
     try:
         shape, dt = [torch.Size([nbytes])], [torch.uint8]
         src = [alloc.batched_allocate(shape, dt, args.num_keys) for _ in range(args.in_flight)]
@@ -237,12 +317,17 @@ def _bench_one(spec_json: str, index: int, args: argparse.Namespace) -> dict[str
         results: dict[str, Any] = {}
         ops = [args.only] if args.only else list(OPS)
         store_rounds: list[dict[str, Any]] = []
+        baseline_rounds: list[dict[str, Any]] = []
         for rnd in range(args.warmup_rounds + args.rounds):
             r = bench.run_op("store", rnd, src, stored)
             if rnd >= args.warmup_rounds:
                 store_rounds.append(r)
+                if baseline is not None:
+                    baseline_rounds.append(baseline.run_round(src))
         if "store" in ops:
             results["store"] = _summary("store", store_rounds, args.num_keys)
+        if baseline is not None:
+            results["baselines"] = {"page_cache_write": baseline.summary(baseline_rounds)}
         stored_batches = stored[-args.in_flight :]
         for op in ("lookup", "load"):
             if op not in ops:
@@ -263,6 +348,8 @@ def _bench_one(spec_json: str, index: int, args: argparse.Namespace) -> dict[str
         return {"adapter": d, "type": d.get("type"), "results": results}
     finally:
         adapter.close()
+        if baseline is not None:
+            baseline.close()
         del src, dst
         alloc.close()
 
@@ -299,6 +386,7 @@ def run(args: argparse.Namespace) -> int:
                 "lookup_max_hit_rate",
                 "skip_verify",
                 "only",
+                "baselines",
             )
         },
         "adapters": [_bench_one(s, i, args) for i, s in enumerate(specs, start=1)],

@@ -67,12 +67,8 @@ class MemoryObjMetadata:
             numel = 1
             for d in shape:
                 numel *= int(d)
-            total += numel * _itemsize(dtype)
+            total += numel * dtype.itemsize
         return total
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 @lru_cache(maxsize=4096)
@@ -225,7 +221,7 @@ class TensorMemoryObj(MemoryObj):
             numel = 1
             for d in shape:
                 numel *= int(d)
-            nbytes = numel * _itemsize(dtype)
+            nbytes = numel * dtype.itemsize
             out.append((off, nbytes, torch.Size(shape), dtype))
             off += nbytes
         return out

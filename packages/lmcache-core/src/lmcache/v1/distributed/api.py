@@ -168,7 +168,7 @@ class MemoryLayoutDesc:
     def nbytes(self) -> int:
         total = 0
         for s, d in zip(self.shapes, self.dtypes, strict=False):
-            total += s.numel() * torch.empty((), dtype=d).element_size()
+            total += s.numel() * d.itemsize
         return total
 
 

@@ -59,14 +59,10 @@ def normalize_shm_name(name: str) -> str:
     return name if name.startswith(SHM_PREFIX) else SHM_PREFIX + name
 
 
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
 def layout_nbytes(shapes: Sequence[torch.Size], dtypes: Sequence[torch.dtype]) -> int:
     total = 0
     for s, d in zip(shapes, dtypes, strict=False):
-        total += torch.Size(s).numel() * _itemsize(d)
+        total += torch.Size(s).numel() * d.itemsize
     return total
 
 

@@ -29,6 +29,10 @@ def _load_client_class() -> Any:
 
 
 class FSNativeL2Adapter(NativeConnectorL2Adapter):
+    # Publish through unnamed O_TMPFILE inodes where the filesystem supports them (the client
+    # probes); False forces named temp files, as on filesystems without O_TMPFILE.
+    allow_tmpfile = True
+
     def __init__(self, config: FSNativeL2AdapterConfig) -> None:
         check_relative_tmp_dir(config.relative_tmp_dir)
         base = os.path.abspath(config.base_path)
@@ -39,6 +43,7 @@ class FSNativeL2Adapter(NativeConnectorL2Adapter):
             config.use_odirect,
             config.read_ahead_size or 0,
             config.fsync,
+            allow_tmpfile=self.allow_tmpfile,
         )
         self._scan = ScanProgress()
         self._base_path = base
@@ -71,6 +76,7 @@ class FSNativeL2Adapter(NativeConnectorL2Adapter):
             "base_path": self._base_path,
             "scan": self._scan.as_dict(),
             "fsync_count": self._fs_client.fsync_count,
+            "publish_mode": self._fs_client.publish_mode,
         }
 
 

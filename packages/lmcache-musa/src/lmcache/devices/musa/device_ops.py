@@ -57,7 +57,7 @@ class MusaDeviceOps(DeviceOps):
         numel = 1
         for s in shape:
             numel *= s
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        nbytes = numel * dtype.itemsize
         storage = torch._C._construct_storage_from_data_pointer(int(ptr), dev, nbytes)
         return torch.empty(0, dtype=dtype, device=dev).set_(storage, 0, shape)
 

@@ -57,7 +57,7 @@ class KVGeometry:
             bs=self.block_size,
             nh=self.num_heads,
             hs=self.head_size,
-            element_size=torch.empty((), dtype=self.dtype).element_size(),
+            element_size=self.dtype.itemsize,
             dtype=self.dtype,
         )
 

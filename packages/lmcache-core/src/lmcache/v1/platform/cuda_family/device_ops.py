@@ -149,7 +149,7 @@ class CudaFamilyDeviceOps(DeviceOps):
             # Host address (tests, staging): the CPU backend's zero-copy view.
             return torch_ops._tensor_from_ptr(ptr, shape, dtype, device)
         shape = tuple(int(s) for s in shape)
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        itemsize = dtype.itemsize
         typestr = _INT_BY_WIDTH.get(itemsize)
         if typestr is not None:
             try:

@@ -85,7 +85,7 @@ def _object_pointers(objects, chunk_bytes: int):
 
 def _element_size(shape_desc, paged, objects) -> int:
     if getattr(shape_desc, "dtype", None) is not None:
-        return _torch.empty((), dtype=shape_desc.dtype).element_size()
+        return shape_desc.dtype.itemsize
     for t in _flatten(paged) if not isinstance(paged, _torch.Tensor) else [paged]:
         if isinstance(t, _torch.Tensor) and t.dtype not in (_torch.int64, _torch.uint64):
             return t.element_size()
