@@ -234,7 +234,7 @@ print(json.dumps(out))
 
 # Replies where we differ from 0.5.6 on purpose (docs/compat.md, protocol.md sections 5.3, 10).
 EXPECTED_DIFFERENCES = {
-    # 0.5.6 lists ["kv_event_stream"], ours the features built: error_replies, raw_payload_v1.
+    # 0.5.6 lists ["kv_event_stream"], ours the features built (docs/compat.md).
     "get_experimental",
     # 0.5.6 raises EOFError on an empty copy-path payload and never answers; ours says False.
     "commit_store empty payload, copy path",

@@ -4,11 +4,13 @@ unique temp names, fsync, no-replace publish, and no torn file after a crash."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 
@@ -59,7 +61,16 @@ def _expected(i: int, writer: int, size: int) -> bytes:
     return bytes(torch.randint(0, 256, (size,), dtype=torch.uint8, generator=g).numpy().tobytes())
 
 
-def _child(type_name: str, base, writer: int, first: int, count: int, size: int, fsync: bool):
+def _child(
+    type_name: str,
+    base,
+    writer: int,
+    first: int,
+    count: int,
+    size: int,
+    fsync: bool,
+    env: dict[str, str] | None = None,
+):
     return subprocess.Popen(
         [
             sys.executable,
@@ -75,6 +86,7 @@ def _child(type_name: str, base, writer: int, first: int, count: int, size: int,
         ],
         stdout=subprocess.PIPE,
         text=True,
+        env=None if env is None else {**os.environ, **env},
     )
 
 
@@ -212,6 +224,36 @@ def test_short_writes_are_retried(h, tmp_path, adapters, monkeypatch):
     assert h.store(a, [h.key(1)], [obj]).bytes_transferred() == 10_000
     assert (tmp_path / object_key_to_filename(h.key(1))).read_bytes() == bytes(obj.byte_array)
     assert len(calls) >= 10
+
+
+def test_fs_native_retries_short_writes(tmp_path):
+    """The C++ writer loops until every byte is written: an LD_PRELOAD shim makes each
+    write() into the data directory move at most 1000 bytes."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler to build the short-write shim (apt-get install gcc)")
+    shim = tmp_path / "short_write.so"
+    src = Path(__file__).parent / "shims" / "short_write.c"
+    subprocess.run([cc, "-shared", "-fPIC", "-O2", "-o", str(shim), str(src), "-ldl"], check=True)
+    data = tmp_path / "data"
+    data.mkdir()
+    size = 10_000
+    env = {
+        "LD_PRELOAD": str(shim),
+        "SHORT_WRITE_DIR": os.path.realpath(data),
+        "SHORT_WRITE_MAX": "1000",
+    }
+    for fsync in (False, True):
+        p = _child("fs_native", data, 0, 0 if not fsync else 10, 3, size, fsync, env=env)
+        out, _ = p.communicate(timeout=120)
+        assert p.returncode == 0 and out.count("stored") == 3
+    names = sorted(os.listdir(data))
+    assert len(names) == 6 and all(n.endswith(".data") for n in names)
+    for name in names:
+        i = int(name.split("@")[3].removesuffix(".data"), 16)
+        assert (data / name).read_bytes() == _expected(i, 0, size), name
+    # 6 values of 10 writes each: every value went out in 1000-byte pieces
+    assert len((tmp_path / "short_writes").read_bytes()) >= 6 * 9
 
 
 @pytest.mark.parametrize("fsync", [True, False])

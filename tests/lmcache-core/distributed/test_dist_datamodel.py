@@ -139,3 +139,26 @@ def test_layout_and_prefetch_spec_validation():
         PrefetchTaskSpec([GroupedObjectKeys([k], 0, lay), GroupedObjectKeys([k, k], 1, lay)])
     with pytest.raises(ValueError):
         PrefetchTaskSpec([GroupedObjectKeys([k], 0, lay)], fetching_policy="bogus")
+
+
+def test_object_key_pickled_in_another_process_hashes_like_a_local_one():
+    """Keys cache their hash, and str hashes differ between processes: a key unpickled here
+    must be rebuilt with this process's hash, or dict lookups would miss it."""
+    import os
+    import pickle
+    import subprocess
+    import sys
+
+    from lmcache.v1.distributed.api import ObjectKey
+
+    code = (
+        "import pickle, sys\n"
+        "from lmcache.v1.distributed.api import ObjectKey\n"
+        "sys.stdout.buffer.write(pickle.dumps(ObjectKey(b'\\x01\\x02', 'model/x', 7, 0, 'salt')))\n"
+    )
+    env = {**os.environ, "PYTHONHASHSEED": "12345"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, check=True)
+    remote = pickle.loads(out.stdout)
+    local = ObjectKey(b"\x01\x02", "model/x", 7, 0, "salt")
+    assert remote == local and hash(remote) == hash(local)
+    assert {local: "hit"}[remote] == "hit"

@@ -221,3 +221,51 @@ def test_pool_larger_than_available_memory_starts_with_a_warning(caplog):
         assert "larger than the memory available" in caplog.text
     finally:
         alloc.close()
+
+
+def _resident_bytes(ptr: int, length: int) -> int:
+    """Bytes of [ptr, ptr + length) backed by memory now (mincore(2))."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    pages = (length + mmap.PAGESIZE - 1) // mmap.PAGESIZE
+    vec = (ctypes.c_ubyte * pages)()
+    if libc.mincore(ctypes.c_void_p(ptr), ctypes.c_size_t(length), vec) != 0:
+        raise OSError(ctypes.get_errno(), "mincore failed")
+    return sum(b & 1 for b in vec) * mmap.PAGESIZE
+
+
+@pytest.mark.skipif(l1_memory._MADV_POPULATE_WRITE is None, reason="Linux only")
+def test_prefault_keeps_headroom_backed_past_the_high_water_mark():
+    """Pages ahead of the allocations are backed in the background (a store then copies into
+    backed memory), memory grows only with the allocations, and data is never touched."""
+    mib = 1 << 20
+    a = L1Allocator(256 * mib, 4096, prefault_headroom=32 * mib)
+    try:
+        assert _wait(lambda: a.prefaulted_bytes == 32 * mib)
+        assert _resident_bytes(a.base_ptr, 256 * mib) == 32 * mib  # not the whole pool
+        first = a.allocate([torch.Size([8 * mib])], [torch.uint8])
+        first.tensor.copy_(torch.arange(8 * mib, dtype=torch.int64).to(torch.uint8))
+        more = a.batched_allocate([torch.Size([8 * mib])], [torch.uint8], 8)  # up to 72 MiB
+        assert more is not None
+        assert _wait(lambda: a.prefaulted_bytes == 72 * mib + 32 * mib)
+        assert _resident_bytes(a.base_ptr, 256 * mib) == 104 * mib
+        assert torch.equal(first.tensor, torch.arange(8 * mib, dtype=torch.int64).to(torch.uint8))
+    finally:
+        a.close()
+    off = L1Allocator(64 * mib, 4096, prefault_headroom=0)
+    try:
+        assert off.prefaulted_bytes == 0 and _resident_bytes(off.base_ptr, 64 * mib) < mib
+    finally:
+        off.close()
+
+
+def _wait(cond, timeout: float = 10.0) -> bool:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True

@@ -101,6 +101,7 @@ def test_bench_server_verifies_and_reports(bench_srv, tmp_path, mode):
         "--output",
         str(out),
         "--no-progress",
+        *(["--baselines"] if mode == "engine_driven" else []),
     )
     assert r.returncode == 0, r.stderr[-3000:]
     data = json.loads(out.read_text())
@@ -110,6 +111,13 @@ def test_bench_server_verifies_and_reports(bench_srv, tmp_path, mode):
     for op in ("cold_store", "warm_retrieve", "cold_lookup", "warm_lookup"):
         assert f"{op}_p50_ms" in m and f"{op}_p99_ms" in m and op in m
     assert "gbps" in m["cold_store"] and "gbps" in m["warm_retrieve"]
+    if mode == "engine_driven":
+        assert set(m["baselines"]) == {
+            "rpc_noop",
+            "bare_zmq_req_rep",
+            "memcpy_64MiB",
+            "memcpy_64MiB_one_thread",
+        }
 
 
 def test_http_prefetch_and_checksums(lmcache_server, mp):

@@ -15,6 +15,7 @@ import torch
 from lmcache.v1.multiprocess import protocol as P
 from lmcache.v1.multiprocess.client import LMCacheTimeoutError, MPClient
 from lmcache.v1.multiprocess.protocol import RemoteError
+from lmcache.v1.multiprocess.token_hasher import tokens_to_be_bytes
 
 _models = itertools.count()
 
@@ -107,6 +108,86 @@ def test_lookup_after_store_then_query_once(srv, mp, negotiate):
         assert mp.lookup_hits(c, tokens=changed, model=model) == 0
         first_only = mp.TOKENS[:256] + [7] * 256
         assert mp.lookup_hits(c, tokens=first_only, model=model) == 1
+    finally:
+        ctx.close()
+        c.close()
+
+
+def test_token_ids_as_u32be_bytes_hash_like_the_int_list(srv, mp):
+    """A 0.5.6-style worker stores with int lists; a negotiated client looks up with uint32
+    big-endian bytes (token_ids_u32be): same chunk hashes, same hits. And the reverse."""
+    for store_negotiated in (False, True):
+        model = _model()
+        c, ctx = mp.worker(srv.rpc_url, mp.make_kv(), negotiate=store_negotiated, model=model)
+        other = MPClient(srv.rpc_url, default_timeout=20)
+        try:
+            assert ctx.submit_store(mp.key("tb", model=model), list(range(1, 33))).result(20)
+            if not store_negotiated:
+                assert P.FEATURE_TOKEN_IDS_U32BE in other.negotiate_default_features()
+            assert mp.lookup_hits(other, model=model) == 2
+            as_bytes = mp.key("raw-" + model, model=model, worker_id=None)
+            as_bytes.token_ids = tokens_to_be_bytes(mp.TOKENS)
+            assert other.call("lookup", as_bytes, 1) is None
+            assert other.call("wait_prefetch_status", "raw-" + model, 10.0) == 2
+        finally:
+            other.close()
+            ctx.close()
+            c.close()
+
+
+def test_client_sends_token_bytes_only_after_negotiating():
+    """What MPClient puts on the wire, read by a bare ROUTER: int lists by default (what
+    0.5.6 servers expect), uint32 big-endian bytes once token_ids_u32be is enabled."""
+    import zmq
+
+    router = zmq.Context.instance().socket(zmq.ROUTER)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    key = mp_key_with_tokens([1, 2])
+    c = MPClient(f"tcp://127.0.0.1:{port}", default_timeout=1)
+    try:
+        c.submit("lookup", key, 1)
+        c.features = frozenset({P.FEATURE_TOKEN_IDS_U32BE})
+        c.submit("lookup", key, 1)
+        seen = []
+        for _ in range(2):
+            assert router.poll(5000)
+            frames = router.recv_multipart()
+            seen.append(msgspec.msgpack.decode(frames[3])["token_ids"])
+        assert seen == [[1, 2], bytes([0, 0, 0, 1, 0, 0, 0, 2])]
+    finally:
+        c.close()
+        router.close(linger=0)
+
+
+def mp_key_with_tokens(tokens: list[int]) -> P.IPCCacheServerKey:
+    return P.IPCCacheServerKey(
+        model_name="m", world_size=1, worker_id=None, token_ids=tokens, start=0,
+        end=len(tokens), request_id="r", num_kv_readers=1,
+    )  # fmt: skip
+
+
+def test_token_bytes_of_a_partial_token_are_rejected(srv, mp):
+    with MPClient(srv.rpc_url, default_timeout=20) as c:
+        c.negotiate_default_features()
+        bad = mp.key("odd", worker_id=None)
+        bad.token_ids = b"\x00\x00\x01"
+        with pytest.raises(RemoteError, match="whole uint32 values"):
+            c.call("lookup", bad, 1)
+
+
+def test_status_query_sent_right_after_lookup_sees_it(srv, mp):
+    """lookup and status queries run in order on the loop thread: a wait sent without
+    waiting for the lookup's ack still finds the lookup (pipelined, one round trip)."""
+    model = _model()
+    c, ctx = mp.worker(srv.rpc_url, mp.make_kv(), model=model)
+    try:
+        assert ctx.submit_store(mp.key("p", model=model), list(range(1, 33))).result(20)
+        for i in range(20):
+            rid = f"pipe-{i}-{model}"
+            ack = c.submit("lookup", mp.key(rid, model=model, worker_id=None), 1)
+            assert c.call("wait_prefetch_status", rid, 10.0) == 2
+            assert ack.result(10) is None
+            c.call("end_session", rid)
     finally:
         ctx.close()
         c.close()
@@ -227,7 +308,12 @@ def test_num_kv_readers_zero_rejected(srv, mp):
     with MPClient(srv.rpc_url) as c:
         with pytest.raises(LMCacheTimeoutError):
             c.submit("lookup", k, 1).result(2)
-        assert c.negotiate_default_features() == {"error_replies", "raw_payload_v1"}
+        assert c.negotiate_default_features() == {
+            "error_replies",
+            "raw_payload_v1",
+            "token_ids_u32be",
+            "ordered_lookup",
+        }
         with pytest.raises(RemoteError) as exc:
             c.submit("lookup", k, 1).result(5)
         assert exc.value.code == "INVALID_ARGUMENT" and "num_kv_readers" in exc.value.message

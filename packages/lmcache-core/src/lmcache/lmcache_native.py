@@ -44,6 +44,11 @@ class Bitmap:
         self._bits = (1 << n) - 1
 
     @classmethod
+    def from_int(cls, size: int, bits: int) -> Bitmap:
+        """The bitmap whose bit i is bit i of ``bits`` (bits at or beyond ``size`` dropped)."""
+        return cls._from_int(int(size), int(bits))
+
+    @classmethod
     def _from_int(cls, size: int, bits: int) -> Bitmap:
         bm = cls.__new__(cls)
         bm._size = size

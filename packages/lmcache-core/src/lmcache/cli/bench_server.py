@@ -9,7 +9,8 @@ compared with what was stored. Reports p50/p99 latency and GB/s per op as JSON
 ``warm_lookup`` summaries of the first size with ``_p50_ms``/``_p99_ms``/``_gbps``).
 
 ``--baselines`` adds the RPC ``noop`` round trip, a bare pyzmq REQ/REP round trip and a
-plain 64 MiB memcpy for comparison. Accepts LMCache 0.5.6's flags (``--rpc-url --mode
+64 MiB copy for comparison (``memcpy_64MiB``: torch ``copy_``, which may use several threads;
+``memcpy_64MiB_one_thread``: one libc ``memcpy``). Accepts LMCache 0.5.6's flags (``--rpc-url --mode
 --transfer-mode --kvcache-shape-spec --num-tokens --start --end --interval --url --format
 --output``).
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import ctypes
 import json
 import random
 import statistics
@@ -212,8 +214,13 @@ def _bench_size(client, ctx, kv, n_tok, chunk, bs, args, P, prog) -> dict[str, A
             num_kv_readers=1,
         )
         t0 = time.perf_counter()
-        client.call("lookup", k, 1)
-        hit = client.call("wait_prefetch_status", rid, 30.0)
+        if P.FEATURE_ORDERED_LOOKUP in client.features:
+            ack = client.submit("lookup", k, 1)  # the wait goes out right behind it
+            hit = client.call("wait_prefetch_status", rid, 30.0)
+            ack.result(30)
+        else:
+            client.call("lookup", k, 1)
+            hit = client.call("wait_prefetch_status", rid, 30.0)
         return int(hit or 0), time.perf_counter() - t0
 
     for it in range(args.iterations):
@@ -295,15 +302,19 @@ def _baselines(client) -> dict[str, Any]:
     rep.close(0)
     a = torch.empty(64 << 20, dtype=torch.uint8).fill_(1)
     b = torch.empty_like(a)
-    mts = []
+    mts, one_thread = [], []
     for _ in range(20):
         t0 = time.perf_counter()
-        b.copy_(a)
+        b.copy_(a)  # torch may split it across its intra-op threads
         mts.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        ctypes.memmove(b.data_ptr(), a.data_ptr(), a.numel())  # one libc memcpy
+        one_thread.append(time.perf_counter() - t0)
     return {
         "rpc_noop": _stats(rtts, 0),
         "bare_zmq_req_rep": _stats(zrtts, 0),
         "memcpy_64MiB": _stats(mts, 64 << 20),
+        "memcpy_64MiB_one_thread": _stats(one_thread, 64 << 20),
     }
 
 

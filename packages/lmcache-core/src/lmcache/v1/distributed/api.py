@@ -63,7 +63,7 @@ def Bytes2IntHash(b: bytes) -> int:
     return int.from_bytes(bytes(b), "big") & 0xFFFFFFFFFFFFFFFF
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class ObjectKey:
     """Identity of one stored object: (chunk hash, model, kv rank, object group, salt)."""
 
@@ -72,8 +72,21 @@ class ObjectKey:
     kv_rank: int
     object_group_id: int = 0
     cache_salt: str = ""
+    # Keys are looked up in many dicts and sets on every request (each lookup builds fresh
+    # key objects, so every hit also runs __eq__): hash and compare one cached tuple.
+    _fields: tuple[Any, ...] = field(default=(), init=False, repr=False, compare=False)
+    _hash: int = field(default=0, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        fields = (
+            self.chunk_hash,
+            self.model_name,
+            self.kv_rank,
+            self.object_group_id,
+            self.cache_salt,
+        )
+        object.__setattr__(self, "_fields", fields)
+        object.__setattr__(self, "_hash", hash(fields))
         if "@" in self.model_name:
             raise ValueError(f"model_name must not contain '@' (got {self.model_name!r})")
         if self.object_group_id < 0:
@@ -87,6 +100,18 @@ class ObjectKey:
                 raise ValueError(
                     f"cache_salt exceeds max length {CACHE_SALT_MAX_LEN} (got {len(salt)})"
                 )
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        if other.__class__ is ObjectKey:
+            return self._fields == other._fields  # type: ignore[attr-defined]
+        return NotImplemented
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        # Rebuilt through __init__: str hashes differ between processes.
+        return (ObjectKey, self._fields)
 
     # 0.5.x helpers kept as static methods on the class
     ComputeKVRank = staticmethod(ComputeKVRank)

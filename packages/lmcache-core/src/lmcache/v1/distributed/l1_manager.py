@@ -462,6 +462,12 @@ class L1Manager(L1ManagerInterface):
         with self._mu:
             return key in self._resident
 
+    def contains_all(self, keys: Iterable[ObjectKey]) -> bool:
+        """Every key is resident (one lock round for the whole batch)."""
+        with self._mu:
+            resident = self._resident
+            return all(k in resident for k in keys)
+
     def is_read_locked(self, key: ObjectKey) -> bool:
         with self._mu:
             entry = self._resident.get(key)

@@ -18,7 +18,7 @@ import queue
 import select
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -123,6 +123,8 @@ class PrefetchController:
         if total == 0:
             return PrefetchHandle(-1, external_request_id, 0, time.time(), windows)
         rid = next(self._ids)
+        # With no L2 adapter to ask, a request is served from L1 alone either way.
+        skip_l2 = skip_l2 or not self.registry.slots(include_draining=False)
         req = _Request(rid, spec, external_request_id, skip_l2)
         with self._mu:
             self._requests[rid] = req
@@ -138,7 +140,7 @@ class PrefetchController:
             spec.lock_mode.value,
             skip_l2,
         )
-        if skip_l2 or not self.registry.slots(include_draining=False):
+        if skip_l2:
             self._run(req)  # served synchronously from L1
         else:
             self._queue.put(req)
@@ -406,6 +408,9 @@ def _all_miss(spec: PrefetchTaskSpec) -> PrefetchResult:
     )
 
 
+_MISS = (L1Error.KEY_NOT_EXIST, None)
+
+
 class _RequestRun:
     """One request's state: which L1 or adapter holds and locks each cell (row, col)."""
 
@@ -502,11 +507,11 @@ class _RequestRun:
             }
 
     # 2. plan -------------------------------------------------------------------------------------------------
-    def _rows_bitmaps(self, cells: set[tuple[int, int]]) -> list[Bitmap]:
-        rows = [Bitmap(self.cols) for _ in range(self.rows)]
+    def _rows_bitmaps(self, cells: Iterable[tuple[int, int]]) -> list[Bitmap]:
+        bits = [0] * self.rows
         for r, c in cells:
-            rows[r].set(c)
-        return rows
+            bits[r] |= 1 << c
+        return [Bitmap.from_int(self.cols, b) for b in bits]
 
     def _target(self, available: set[tuple[int, int]]) -> set[tuple[int, int]]:
         if self.spec.fetching_policy == "full":
@@ -675,7 +680,45 @@ class _RequestRun:
         self.ctl.stats["failed_keys"] += len(bad)
 
     # 4. finish ----------------------------------------------------------------------------------------------
+    def _l1_only(self) -> bool:
+        """A request the L1 alone serves with plain prefix semantics (no L2, one L1, no
+        sliding windows, prefix policy): the common lookup, answered without cell sets."""
+        return (
+            self.req.skip_l2
+            and len(self.ctl.l1s) == 1
+            and self.spec.fetching_policy != "full"
+            and all(w <= 0 for w in self.windows)
+        )
+
+    def _execute_l1_only(self) -> PrefetchResult:
+        l1 = self.ctl.l1s[0]
+        flat = [k for row in self.keys for k in row]
+        res = l1.reserve_read(flat, self.readers)
+        ok = [res.get(k, _MISS)[0] is L1Error.SUCCESS for k in flat]
+        hit = self.cols
+        for r in range(self.rows):
+            row_ok = ok[r * self.cols : (r + 1) * self.cols]
+            hit = min(hit, row_ok.index(False) if False in row_ok else self.cols)
+        keep = hit if self.spec.lock_mode is not LockMode.NO_LOCK else 0
+        release = [
+            k for i, k in enumerate(flat) if ok[i] and i % self.cols >= keep
+        ]  # every locked cell outside the kept prefix
+        if release:
+            l1.finish_read(release, self.readers)
+        if hit:
+            l1.touch_keys([k for i, k in enumerate(flat) if i % self.cols < hit])
+        hits = [Bitmap(self.cols, hit) for _ in range(self.rows)]
+        return PrefetchResult(
+            hits,
+            [bm.copy() for bm in hits],
+            [Bitmap(self.cols) for _ in range(self.rows)],
+            None,
+            [[0] * hit + [-1] * (self.cols - hit) for _ in range(self.rows)],
+        )
+
     def execute(self) -> PrefetchResult:
+        if self._l1_only():
+            return self._execute_l1_only()
         try:
             self._lock_l1()
             self._lookup_l2()
@@ -692,20 +735,21 @@ class _RequestRun:
         else:
             self._release_l1(locked - hit)
         owners = [[-1] * self.cols for _ in range(self.rows)]
-        l1_hits = [Bitmap(self.cols) for _ in range(self.rows)]
-        l2_hits = [Bitmap(self.cols) for _ in range(self.rows)]
-        hit_rows = [Bitmap(self.cols) for _ in range(self.rows)]
+        from_l1: list[tuple[int, int]] = []
+        from_l2: list[tuple[int, int]] = []
         touched: dict[int, list[ObjectKey]] = {}
-        for r, c in hit:
-            hit_rows[r].set(c)
-            if (r, c) in self.l1_from_lookup:
-                l1_hits[r].set(c)
-                li = self.l1_locked.get((r, c), 0)
+        for cell in hit:
+            if cell in self.l1_from_lookup:
+                from_l1.append(cell)
+                li = self.l1_locked.get(cell, 0)
             else:
-                l2_hits[r].set(c)
-                li = self.l2_loaded.get((r, c), 0)
-            owners[r][c] = li
-            touched.setdefault(li, []).append(self.key((r, c)))
+                from_l2.append(cell)
+                li = self.l2_loaded.get(cell, 0)
+            owners[cell[0]][cell[1]] = li
+            touched.setdefault(li, []).append(self.key(cell))
+        hit_rows = self._rows_bitmaps(hit)
+        l1_hits = self._rows_bitmaps(from_l1)
+        l2_hits = self._rows_bitmaps(from_l2)
         for li, keys in touched.items():
             self.ctl.l1s[li].touch_keys(keys)
         found = None

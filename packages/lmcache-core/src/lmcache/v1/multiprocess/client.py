@@ -9,7 +9,7 @@ Typical use (a vLLM worker or scheduler, a benchmark, a test)::
     chunk = client.get_chunk_size()                      # blocking helpers ...
     fut = client.submit("lookup", key)                   # ... or futures for anything
     fut.result(timeout=5)                                # LMCacheTimeoutError on timeout
-    client.negotiate_default_features()                  # error_replies + raw_payload_v1
+    client.negotiate_default_features()                  # error_replies, raw_payload_v1, ...
     client.close()
 
 Design:
@@ -39,11 +39,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
 import zmq
 
 from lmcache.utils import init_logger
 from lmcache.v1.multiprocess import protocol as P
+from lmcache.v1.multiprocess.framing import has_input, recv_frames, send_frames
 from lmcache.v1.multiprocess.protocol import RemoteError
+from lmcache.v1.multiprocess.token_hasher import tokens_to_be_bytes
 
 logger = init_logger(__name__)
 
@@ -56,6 +59,13 @@ _FAST_SLICE_S = 0.001
 _OP_FRAMES: dict[Any, bytes] = {
     P.op_wire_value(spec): P.encode(P.op_wire_value(spec)) for spec in P.OPS
 }
+
+
+def _with_token_bytes(payload: Any) -> Any:
+    """A key whose token ids travel as uint32 big-endian bytes (``token_ids_u32be``)."""
+    if isinstance(payload, P.IPCCacheServerKey) and isinstance(payload.token_ids, list):
+        return msgspec.structs.replace(payload, token_ids=tokens_to_be_bytes(payload.token_ids))
+    return payload
 
 
 class LMCacheTimeoutError(TimeoutError):
@@ -76,13 +86,16 @@ def normalize_url(url: str) -> str:
 class MPFuture:
     """The eventual reply of one request."""
 
-    __slots__ = ("_callbacks", "_client", "_event", "_lock", "_value", "op", "uid")
+    __slots__ = ("_callbacks", "_client", "_latch", "_lock", "_value", "op", "uid")
 
     def __init__(self, client: MPClient | None, uid: int, op: str) -> None:
         self._client = client
         self.uid = uid
         self.op = op
-        self._event = threading.Event()
+        # Held until the value is set: waiters acquire and pass it on. A third of the cost
+        # of a threading.Event, and one is made per request.
+        self._latch = threading.Lock()
+        self._latch.acquire()
         self._value: Any = _PENDING
         self._callbacks: list[Callable[[MPFuture], None]] = []
         self._lock = threading.Lock()
@@ -99,7 +112,7 @@ class MPFuture:
                 return
             self._value = value
             callbacks, self._callbacks = self._callbacks, []
-        self._event.set()
+        self._latch.release()
         for cb in callbacks:
             try:
                 cb(self)
@@ -115,19 +128,24 @@ class MPFuture:
 
     def query(self) -> bool:
         """True once the reply (or an error) arrived; never blocks."""
-        return self._event.is_set()
+        return self._value is not _PENDING
 
     def wait(self, timeout: float | None = None) -> bool:
-        return self._event.wait(timeout)
+        if self._value is not _PENDING:
+            return True
+        if not self._latch.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
+            return False
+        self._latch.release()
+        return True
 
     def result(self, timeout: float | None = None) -> Any:
         """The reply value; raises RemoteError for an error reply, LMCacheTimeoutError on timeout."""
-        if not self._event.is_set() and self._client is not None:
+        if self._value is _PENDING and self._client is not None:
             t0 = time.monotonic()
             self._client._wait_fast(self, timeout)
             if timeout is not None:
                 timeout = max(0.0, timeout - (time.monotonic() - t0))
-        if not self._event.wait(timeout):
+        if not self.wait(timeout):
             if self._client is not None:
                 self._client._forget(self.uid)
             raise LMCacheTimeoutError(f"no reply to {self.op} (uid {self.uid}) within {timeout} s")
@@ -142,9 +160,11 @@ class _Poller:
 
     Socket ownership is shared through each client's ``_io_lock``: whoever holds it may
     send and receive, and always drains the socket to EAGAIN before letting go. The
-    thread watches each socket's ``zmq.FD`` (edge-triggered: it fires only after a drain
-    to EAGAIN, which the rule guarantees) instead of the socket itself, so caller
-    threads can send and receive directly without a thread handoff (``MPClient.call``).
+    thread watches each socket's ``zmq.FD`` in an epoll set instead of the socket itself,
+    so caller threads can send and receive directly without a thread handoff
+    (``MPClient.call``). A caller that waits for its own reply takes its socket's FD out
+    of the epoll set while it does (epoll_ctl is safe from any thread), so a synchronous
+    call never wakes this thread at all.
     """
 
     _instance: _Poller | None = None
@@ -155,19 +175,14 @@ class _Poller:
         self._lock = threading.Lock()
         self._outbox: collections.deque = collections.deque()  # clients with queued frames
         self._clients: dict[int, MPClient] = {}  # zmq.FD -> client
-        self._monitors: dict[zmq.Socket, MPClient] = {}
+        self._monitors: dict[int, MPClient] = {}  # monitor socket's zmq.FD -> client
         self._to_add: list[MPClient] = []
         self._to_remove: list[tuple[MPClient, threading.Event]] = []
-        self._to_rearm: list[MPClient] = []
         self._refs = 0
         self._stop = False
-        self._wake_r = self.ctx.socket(zmq.PAIR)
-        self._wake_w = self.ctx.socket(zmq.PAIR)
-        # a fresh name each time: a previous poller may still be closing its socket
-        addr = f"inproc://lmcache-client-wake-{os.getpid()}-{next(_POLLER_IDS)}"
-        self._wake_r.bind(addr)
-        self._wake_w.connect(addr)
-        self._wake_lock = threading.Lock()
+        self._epoll = select.epoll()
+        self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._epoll.register(self._wake_fd, select.EPOLLIN)
         self._thread = threading.Thread(target=self._run, name="lmcache-mp-client", daemon=True)
         self._thread.start()
 
@@ -190,11 +205,10 @@ class _Poller:
         self._thread.join(timeout=5)
 
     def wake(self) -> None:
-        with self._wake_lock:
-            try:
-                self._wake_w.send(b"", zmq.NOBLOCK)
-            except zmq.Again:
-                pass
+        try:
+            os.eventfd_write(self._wake_fd, 1)
+        except OSError:  # closed: the thread is gone
+            pass
 
     def add(self, client: MPClient) -> None:
         with self._lock:
@@ -208,11 +222,18 @@ class _Poller:
         self.wake()
         done.wait(timeout=5)
 
-    def rearm(self, client: MPClient) -> None:
-        """Watch ``client``'s FD again (it was parked while a caller received itself)."""
-        with self._lock:
-            self._to_rearm.append(client)
-        self.wake()
+    def watch(self, fd: int) -> None:
+        """Watch a client FD (again); if input is already pending, epoll reports it now."""
+        try:
+            self._epoll.register(fd, select.EPOLLIN)
+        except (FileExistsError, OSError):
+            pass
+
+    def unwatch(self, fd: int) -> None:
+        try:
+            self._epoll.unregister(fd)
+        except (FileNotFoundError, OSError):
+            pass
 
     def kick(self, client: MPClient) -> None:
         """``client`` has queued frames the thread must send."""
@@ -220,40 +241,32 @@ class _Poller:
         self.wake()
 
     def _run(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._wake_r, zmq.POLLIN)
-        parked: set[int] = set()
         while True:
-            events = dict(poller.poll(100))
-            if self._wake_r in events:
-                while True:
+            try:
+                events = self._epoll.poll(0.1)
+            except InterruptedError:
+                continue
+            for fd, _ in events:
+                if fd == self._wake_fd:
                     try:
-                        self._wake_r.recv(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
+                        os.eventfd_read(self._wake_fd)
+                    except BlockingIOError:
+                        pass
             with self._lock:
                 adds, self._to_add = self._to_add, []
                 removes, self._to_remove = self._to_remove, []
-                rearms, self._to_rearm = self._to_rearm, []
-            for c in rearms:
-                with c._io_lock:
-                    if c._fd is None or c._fd not in self._clients:
-                        continue
-                    if c._fd not in parked:
-                        continue
-                    parked.discard(c._fd)
-                    poller.register(c._fd, zmq.POLLIN)
-                    replies = c._flush_and_drain()
-                c._on_replies(replies)
             for c in adds:
                 with c._io_lock:
                     c._open(self.ctx)
                     assert c._fd is not None
                     self._clients[c._fd] = c
-                    poller.register(c._fd, zmq.POLLIN)
+                    with c._fast_lock:
+                        if c._fast_waiters == 0:
+                            self.watch(c._fd)
                     if c._monitor is not None:
-                        self._monitors[c._monitor] = c
-                        poller.register(c._monitor, zmq.POLLIN)
+                        mfd = c._monitor.getsockopt(zmq.FD)
+                        self._monitors[mfd] = c
+                        self.watch(mfd)
                     replies = c._flush_and_drain()
                 c._on_replies(replies)
             while self._outbox:
@@ -261,39 +274,31 @@ class _Poller:
                 with c._io_lock:
                     replies = c._flush_and_drain()
                 c._on_replies(replies)
-            for key in events:
-                c = self._clients.get(key) if isinstance(key, int) else None
+            for fd, _ in events:
+                c = self._clients.get(fd)
                 if c is not None:
-                    if c._park_if_waited():
-                        # a caller is receiving itself; stop watching until it is done,
-                        # or this thread would steal (or spin on) its reply
-                        poller.unregister(key)
-                        parked.add(key)
-                        continue
                     with c._io_lock:
                         replies = c._flush_and_drain()
                     c._on_replies(replies)
-                elif key in self._monitors:
-                    self._monitors[key]._on_monitor_event()
+                elif fd in self._monitors:
+                    self._monitors[fd]._on_monitor_event()
             for c, done in removes:
                 with c._io_lock:
                     if c._fd is not None and c._fd in self._clients:
-                        if c._fd in parked:
-                            parked.discard(c._fd)
-                        else:
-                            poller.unregister(c._fd)
+                        self.unwatch(c._fd)
                         del self._clients[c._fd]
-                    if c._monitor is not None and c._monitor in self._monitors:
-                        poller.unregister(c._monitor)
-                        del self._monitors[c._monitor]
+                    for mfd, owner in list(self._monitors.items()):
+                        if owner is c:
+                            self.unwatch(mfd)
+                            del self._monitors[mfd]
                     c._close_sockets()
                 done.set()
             if self._stop:
                 for c in list(self._clients.values()):
                     with c._io_lock:
                         c._close_sockets()
-                self._wake_r.close(linger=0)
-                self._wake_w.close(linger=0)
+                self._epoll.close()
+                os.close(self._wake_fd)
                 return
 
 
@@ -323,8 +328,7 @@ class MPClient:
         self._sockets_closed = False
         self._closed = False
         self._fast_lock = threading.Lock()
-        self._fast_waiters = 0
-        self._parked = False
+        self._fast_waiters = 0  # callers in _wait_fast; while > 0 the poller does not watch
         self._poller = _Poller.acquire()
         self._poller.add(self)
 
@@ -349,10 +353,13 @@ class MPClient:
     def _on_monitor_event(self) -> None:
         from zmq.utils.monitor import recv_monitor_message
 
-        assert self._monitor is not None
-        while True:
+        monitor = self._monitor
+        if monitor is None:
+            return
+        # Drain to "no input" (EVENTS), which also clears the FD the epoll set watches.
+        while has_input(monitor):
             try:
-                msg = recv_monitor_message(self._monitor, zmq.NOBLOCK)
+                msg = recv_monitor_message(monitor, zmq.NOBLOCK)
             except zmq.Again:
                 return
             if msg["event"] == zmq.EVENT_CONNECTED:
@@ -392,14 +399,14 @@ class MPClient:
         while self._outq:
             frames = self._outq.popleft()
             try:
-                sock.send_multipart(frames, copy=len(frames[-1]) < 65536)
+                send_frames(sock, frames)
             except zmq.ZMQError as exc:
                 self._fail(frames, exc)
         replies = []
         try:
             # EVENTS also re-arms the edge-triggered FD; cheaper than recv raising EAGAIN
-            while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                replies.append(sock.recv_multipart(zmq.NOBLOCK, copy=False))
+            while has_input(sock):
+                replies.append(recv_frames(sock))
         except zmq.ZMQError as exc:
             if exc.errno != zmq.EAGAIN:
                 logger.warning("receive from %s failed: %s", self.url, exc)
@@ -413,9 +420,10 @@ class MPClient:
         """Wait briefly for ``fut`` by receiving in the calling thread.
 
         Most replies arrive within a millisecond; receiving them here saves the handoff
-        through the polling thread. That thread watches the same FD, so whichever thread
-        drains first resolves the future; the short poll slices bound the wait when the
-        other one won the race between our check and our poll.
+        through the polling thread. The first waiter takes the FD out of the polling
+        thread's epoll set and the last one puts it back, so the thread is not woken by a
+        reply a caller is about to read (and replies for other requests that arrive
+        meanwhile are drained here and resolved as usual).
         """
         fd = self._fd
         if fd is None or _FAST_WAIT_S <= 0:
@@ -426,13 +434,20 @@ class MPClient:
         p.register(fd, select.POLLIN)
         with self._fast_lock:
             self._fast_waiters += 1
+            if self._fast_waiters == 1:
+                self._poller.unwatch(fd)
         try:
-            while not fut._event.is_set():
-                left = end - time.monotonic()
-                if left <= 0:
-                    return
-                if not p.poll(min(left, _FAST_SLICE_S) * 1000.0):
-                    continue
+            # The FD only signals after a drain to EAGAIN: drain once first, since a reply
+            # may have arrived (and the FD fired for the polling thread) before we looked.
+            first = True
+            while fut._value is _PENDING:
+                if not first:
+                    left = end - time.monotonic()
+                    if left <= 0:
+                        return
+                    if not p.poll(min(left, _FAST_SLICE_S) * 1000.0):
+                        continue
+                first = False
                 with self._io_lock:
                     if self._fd != fd:
                         return  # closed meanwhile; result() reports it
@@ -441,19 +456,8 @@ class MPClient:
         finally:
             with self._fast_lock:
                 self._fast_waiters -= 1
-                rearm = self._fast_waiters == 0 and self._parked
-                if rearm:
-                    self._parked = False
-            if rearm:
-                self._poller.rearm(self)
-
-    def _park_if_waited(self) -> bool:
-        """Polling thread: True (and parked) when a caller is receiving in ``_wait_fast``."""
-        with self._fast_lock:
-            if self._fast_waiters > 0:
-                self._parked = True
-                return True
-            return False
+                if self._fast_waiters == 0 and self._fd == fd:
+                    self._poller.watch(fd)
 
     def _on_reply(self, frames: list[zmq.Frame]) -> None:
         if len(frames) not in (2, 3):
@@ -504,6 +508,8 @@ class MPClient:
         uid = next(self._uids)
         op_bytes = _OP_FRAMES.get(wire_op) or P.encode(wire_op)
         fut = MPFuture(self, uid, spec.name if spec else str(op))
+        if P.FEATURE_TOKEN_IDS_U32BE in self.features:
+            payloads = tuple(_with_token_bytes(p) for p in payloads)
         frames = [P.encode(uid), op_bytes, *(P.encode(p) for p in payloads)]
         with self._pending_lock:
             self._pending[uid] = (fut, op_bytes)

@@ -240,7 +240,7 @@ class CacheEngine:
     def _hashes(self, session: Session, key: P.IPCCacheServerKey, end: int) -> list[bytes]:
         try:
             with session.lock:
-                return session.hashes_for(key.token_ids[:end], self.cs)
+                return session.hashes_for(P.token_prefix(key, end), self.cs)
         except ValueError as exc:
             raise RequestError(ErrorCode.INVALID_ARGUMENT, str(exc)) from exc
 

@@ -127,7 +127,7 @@ def build_app(runtime: Any) -> FastAPI:
             raise HTTPException(501, str(exc)) from None
         entries = [
             {
-                "key": dataclasses.asdict(e.key) if dataclasses.is_dataclass(e.key) else e.key,
+                "key": _key_json(e.key),
                 "size_bytes": e.size_bytes,
             }
             for e in page.entries
@@ -333,3 +333,12 @@ def _eviction_policy(runtime: Any) -> str:
         return sc.eviction_config.eviction_policy
     except AttributeError:
         return ""
+
+
+def _key_json(key: Any) -> Any:
+    """An L2 listing key as JSON (ObjectKeys in their hex-encoded form)."""
+    from lmcache.v1.distributed.api import ObjectKey
+
+    if isinstance(key, ObjectKey):
+        return key.to_encoded_object_key().to_dict()
+    return dataclasses.asdict(key) if dataclasses.is_dataclass(key) else key

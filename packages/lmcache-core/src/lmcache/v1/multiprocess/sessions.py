@@ -65,7 +65,7 @@ class Session:
     ended: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def hashes_for(self, token_ids: list[int], chunk_size: int) -> list[bytes]:
+    def hashes_for(self, token_ids: list[int] | bytes, chunk_size: int) -> list[bytes]:
         """Chunk hashes of ``token_ids``, reusing cached ones only while their tokens match."""
         raw = tokens_to_be_bytes(token_ids)
         n_full = (len(raw) // 4) // chunk_size

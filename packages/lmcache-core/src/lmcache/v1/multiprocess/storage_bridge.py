@@ -87,8 +87,7 @@ class StorageBridge:
         # Every key resident in L1: serve the lookup synchronously from L1 (skip_l2), with
         # no round trip through the prefetch controller's thread. A key evicted right after
         # this check only shortens the reported hit prefix; it never reports a false hit.
-        in_l1 = self.l1.contains
-        skip_l2 = all(in_l1(k) for row in rows for k in row)
+        skip_l2 = self.l1.contains_all(k for row in rows for k in row)
         return self.sm.submit_prefetch_task(spec, external_request_id=request_id, skip_l2=skip_l2)
 
     def wait_lookup(self, handle: Any, timeout: float) -> bool:

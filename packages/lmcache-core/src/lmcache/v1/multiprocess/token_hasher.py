@@ -25,8 +25,15 @@ def hash_to_bytes(h: bytes | int) -> bytes:
     return int(h).to_bytes(8, "big", signed=True)
 
 
-def tokens_to_be_bytes(token_ids: list[int] | np.ndarray) -> bytes:
-    """uint32 big-endian bytes of the tokens; ValueError names an out-of-range token."""
+def tokens_to_be_bytes(token_ids: list[int] | np.ndarray | bytes) -> bytes:
+    """uint32 big-endian bytes of the tokens; ValueError names an out-of-range token.
+
+    Bytes are taken to be that form already (the ``token_ids_u32be`` wire form)."""
+    if isinstance(token_ids, bytes | bytearray | memoryview):
+        raw = bytes(token_ids)
+        if len(raw) % 4:
+            raise ValueError(f"token bytes must hold whole uint32 values (got {len(raw)} bytes)")
+        return raw
     if isinstance(token_ids, np.ndarray):
         token_ids = token_ids.tolist()
     try:

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from lmcache.utils import init_logger
+from lmcache.v1.distributed.l1_memory import populate_write
 from lmcache.v1.multiprocess import payload_codec as codec
 from lmcache.v1.multiprocess import protocol as P
 from lmcache.v1.multiprocess.client import MPClient, MPFuture
@@ -32,6 +33,8 @@ from lmcache.v1.multiprocess.transfer_context.base import (
 )
 
 logger = init_logger(__name__)
+
+_MAP_REGION = 2 << 20  # granule in which the SHM pool is mapped into a worker before a copy
 
 
 def _as_list(kv_caches: Any) -> list[torch.Tensor]:
@@ -102,6 +105,8 @@ class EngineDrivenTransferContext(_BaseContext):
         self._shm_map: mmap.mmap | None = None
         self._shm_flat: torch.Tensor | None = None
         self.shm_name = ""
+        self._mapped_regions: set[int] = set()  # pool regions (_MAP_REGION) mapped here
+        self._populate_ok = True
 
     def register(self, model_name: str, world_size: int, engine_group_infos: Any = None) -> None:
         if engine_group_infos is not None and len(engine_group_infos) > 1:
@@ -168,6 +173,7 @@ class EngineDrivenTransferContext(_BaseContext):
             raise
         self._shm_fd, self._shm_map, self.shm_name = fd, m, name
         self._shm_flat = torch.frombuffer(m, dtype=torch.uint8)
+        self._mapped_regions = set()
 
     def _detach(self) -> None:
         self._shm_flat = None
@@ -186,9 +192,29 @@ class EngineDrivenTransferContext(_BaseContext):
         out = []
         for s in slots:
             dtype = getattr(torch, s["dtype"])
-            raw = self._shm_flat[int(s["offset"]) : int(s["offset"]) + int(s["length"])]
+            off, length = int(s["offset"]), int(s["length"])
+            self._map_pool_range(off, length)
+            raw = self._shm_flat[off : off + length]
             out.append(raw.view(dtype).view(tuple(s["shape"])))
         return out
+
+    def _map_pool_range(self, off: int, length: int) -> None:
+        """Map the pool pages of a slot into this process in one call the first time a slot
+        touches them: faulting them in one 4 KiB page at a time during the copy doubles the
+        cost of a store while L1 fills. Later slots at the same addresses find them mapped."""
+        first, last = off // _MAP_REGION, (off + length - 1) // _MAP_REGION
+        todo = [r for r in range(first, last + 1) if r not in self._mapped_regions]
+        if not todo or not self._populate_ok:
+            return
+        assert self._shm_flat is not None
+        base, size = self._shm_flat.data_ptr(), self._shm_flat.numel()
+        try:
+            for r in todo:
+                populate_write(base + r * _MAP_REGION, min(_MAP_REGION, size - r * _MAP_REGION))
+                self._mapped_regions.add(r)
+        except OSError as exc:
+            self._populate_ok = False
+            logger.info("SHM slots are mapped on first write (%s)", exc)
 
     def submit_store(self, key: P.IPCCacheServerKey, block_ids: Any) -> MPFuture:
         ids = _flat_ids(block_ids)
