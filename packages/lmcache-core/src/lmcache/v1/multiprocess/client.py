@@ -437,17 +437,14 @@ class MPClient:
             if self._fast_waiters == 1:
                 self._poller.unwatch(fd)
         try:
-            # The FD only signals after a drain to EAGAIN: drain once first, since a reply
-            # may have arrived (and the FD fired for the polling thread) before we looked.
-            first = True
+            # Every holder of _io_lock drains to "no input" before letting go, so a reply
+            # that is already here has left the FD readable: polling first is enough.
             while fut._value is _PENDING:
-                if not first:
-                    left = end - time.monotonic()
-                    if left <= 0:
-                        return
-                    if not p.poll(min(left, _FAST_SLICE_S) * 1000.0):
-                        continue
-                first = False
+                left = end - time.monotonic()
+                if left <= 0:
+                    return
+                if not p.poll(min(left, _FAST_SLICE_S) * 1000.0):
+                    continue
                 with self._io_lock:
                     if self._fd != fd:
                         return  # closed meanwhile; result() reports it
