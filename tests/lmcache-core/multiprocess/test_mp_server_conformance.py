@@ -193,6 +193,26 @@ def test_status_query_sent_right_after_lookup_sees_it(srv, mp):
         c.close()
 
 
+def test_transfer_ops_are_timed_per_phase(srv_shm, mp):
+    model = _model()
+    before = {
+        ph: mp.metric(srv_shm, "lmcache_mp_transfer_phase_seconds_count", phase=ph)
+        for ph in ("prepare_store", "commit_store", "prepare_retrieve", "commit_retrieve")
+    }
+    c, ctx = mp.worker(srv_shm.rpc_url, mp.make_kv(), model=model)
+    try:
+        assert ctx.mode == "SHM"
+        assert ctx.submit_store(mp.key("ph", model=model), list(range(1, 33))).result(20)
+        rid = "ph-r-" + model
+        assert mp.lookup_hits(c, model=model, rid=rid) == 2
+        assert ctx.submit_retrieve(mp.key(rid, model=model), list(range(1, 33))).result(20)
+    finally:
+        ctx.close()
+        c.close()
+    for ph, n in before.items():
+        assert mp.metric(srv_shm, "lmcache_mp_transfer_phase_seconds_count", phase=ph) == n + 1
+
+
 def test_lookup_unregistered_model_early_exit(srv, client, mp):
     before = mp.metric(srv, "lmcache_mp_lookup_early_exit_requests_total", reason="no_gpu_context")
     assert mp.lookup_hits(client, model=_model()) == 0

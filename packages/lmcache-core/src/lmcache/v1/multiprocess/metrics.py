@@ -54,10 +54,11 @@ _GAUGES: dict[str, str] = {
     "lmcache_mp_shm_enabled": "1 when the engine-driven SHM pool is in use",
 }
 
-_HISTOGRAMS: dict[str, str] = {
-    "lmcache_mp_l0_l1_store_throughput": "engine->L1 store throughput (GB/s)",
-    "lmcache_mp_l0_l1_load_throughput": "L1->engine load throughput (GB/s)",
-    "lmcache_mp_transfer_phase_seconds": "time per transfer phase",
+_HISTOGRAMS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "lmcache_mp_l0_l1_store_throughput": ("engine->L1 store throughput (GB/s)", ()),
+    "lmcache_mp_l0_l1_load_throughput": ("L1->engine load throughput (GB/s)", ()),
+    # phase = the transfer op: store, retrieve, prepare_store, commit_store, ...
+    "lmcache_mp_transfer_phase_seconds": ("server time per transfer op", ("phase",)),
 }
 
 
@@ -78,7 +79,8 @@ class ServerMetrics:
         }
         self.gauges = {n: Gauge(n, doc, registry=self.registry) for n, doc in _GAUGES.items()}
         self.histograms = {
-            n: Histogram(n, doc, registry=self.registry) for n, doc in _HISTOGRAMS.items()
+            n: Histogram(n, doc, labelnames=labels, registry=self.registry)
+            for n, (doc, labels) in _HISTOGRAMS.items()
         }
 
     def add_gauge_source(self, fn: Callable[[ServerMetrics], None]) -> None:
@@ -95,9 +97,10 @@ class ServerMetrics:
         if self.enabled:
             self.gauges[name].set(value)
 
-    def observe(self, name: str, value: float) -> None:
+    def observe(self, name: str, value: float, **labels: str) -> None:
         if self.enabled:
-            self.histograms[name].observe(value)
+            h = self.histograms[name]
+            (h.labels(**labels) if labels else h).observe(value)
 
     def value(self, name: str, **labels: str) -> float:
         """Current counter value (tests and /status)."""

@@ -18,6 +18,7 @@ import collections
 import itertools
 import select
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -302,6 +303,7 @@ class MPCacheServer:
         args = self._decode_args(spec, payloads, ctx.peer, uid_b, op_b, ctx.features)
         if args is None:
             return
+        t0 = time.perf_counter()
         try:
             result = self.engine.handlers[spec.name](ctx, *args)
         except RequestError as exc:
@@ -319,6 +321,10 @@ class MPCacheServer:
                 ctx.features,
             )
             return
+        if spec.kind == HandlerKind.AFFINITY:  # the transfer ops
+            self.metrics.observe(
+                "lmcache_mp_transfer_phase_seconds", time.perf_counter() - t0, phase=spec.name
+            )
         if not ctx.deferred:
             ctx.reply(result)
 
