@@ -150,7 +150,9 @@ class StorageBridge:
 
 
 def _prefix_pop(bitmap: Any, n: int) -> int:
-    return sum(1 for i in range(min(n, bitmap.size())) if bitmap.test(i))
+    """Set bits among the first ``n``."""
+    n = min(n, bitmap.size())
+    return (bitmap.to_int() & ((1 << n) - 1)).bit_count() if n > 0 else 0
 
 
 def _first_l1_manager(sm: Any) -> Any:
