@@ -1065,3 +1065,40 @@ def test_abort_prefetch_releases_locks_now_or_when_finished():
         assert a.locked() == 0 and l1.memcheck()
     finally:
         sm.close()
+
+
+@pytest.mark.parametrize("lock_mode", [LockMode.LOCK, LockMode.NO_LOCK])
+def test_l1_only_fast_path_matches_the_general_path(lock_mode, monkeypatch):
+    """Requests served from L1 alone take a short path; it must report the same hits,
+    owners and read locks as the general cell-by-cell path, including a gap in one row."""
+    from lmcache.v1.distributed import prefetch_controller as pc
+
+    def run(fast: bool):
+        if not fast:
+            monkeypatch.setattr(pc._RequestRun, "_l1_only", lambda self: False)
+        sm = make_sm()
+        try:
+            rows = [[key(10 * r + c) for c in range(5)] for r in range(2)]
+            write(sm, [k for row in rows for k in row if k != rows[1][3]])  # row 1 misses col 3
+            s = PrefetchTaskSpec(
+                [GroupedObjectKeys(row, 0, LAYOUT) for row in rows],
+                num_kv_readers=2,
+                lock_mode=lock_mode,
+            )
+            r = prefetch(sm, s)
+            l1 = sm.get_l1_manager()
+            locks = [[l1.is_read_locked(k) for k in row] for row in rows]
+            return (
+                [bm.to_int() for bm in r.hit_cells],
+                [bm.to_int() for bm in r.l1_hit_cells],
+                [bm.to_int() for bm in r.l2_hit_cells],
+                r.l1_owners,
+                locks,
+            )
+        finally:
+            sm.close()
+
+    fast = run(True)
+    assert fast[0] == [0b111, 0b111]  # the common prefix of both rows
+    assert fast[4][0][:3] == [lock_mode is LockMode.LOCK] * 3 and not any(fast[4][0][3:])
+    assert fast == run(False)

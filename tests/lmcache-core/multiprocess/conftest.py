@@ -165,6 +165,16 @@ def status(srv) -> dict:
     return httpx.get(srv.http_url + "/status", timeout=5).json()
 
 
+def wait_for(cond, what: str, timeout: float = 15.0, interval: float = 0.1) -> None:
+    """Wait for server state that appears asynchronously (a reap, a write-behind, an
+    eviction); fails naming what never happened. A bound on waiting, not a speed check."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() >= deadline:
+            pytest.fail(f"never happened: {what}")
+        time.sleep(interval)
+
+
 @pytest.fixture
 def shm_suffix() -> str:
     return f"t{os.getpid()}_{next(_ids)}"
@@ -181,6 +191,7 @@ class _Helpers:
     worker = staticmethod(worker)
     metric = staticmethod(metric)
     status = staticmethod(status)
+    wait_for = staticmethod(wait_for)
 
 
 @pytest.fixture(scope="session")

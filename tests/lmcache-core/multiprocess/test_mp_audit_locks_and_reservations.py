@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import time
 
 import pytest
 
@@ -18,14 +17,6 @@ def _model() -> str:
 
 def _l1(mp, srv) -> dict:
     return mp.status(srv)["storage_manager"]["l1"]
-
-
-def _until(cond, what: str, timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() >= deadline:
-            pytest.fail(f"never happened: {what}")
-        time.sleep(0.1)
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +90,7 @@ def test_session_expiry_releases_its_lock_shares(lmcache_server, mp):
             c.call("free_lookup_locks", touch, 1)  # keeps "live" in use
             return _l1(mp, srv)["read_locked_count"] == 1
 
-        _until(idle_expired, "the idle session's shares released", timeout=20)
+        mp.wait_for(idle_expired, "the idle session's shares released", timeout=20)
         c.call("free_lookup_locks", touch, 1)
         assert _l1(mp, srv)["read_locked_count"] == 1  # "live" still holds chunk 0
     finally:
@@ -143,7 +134,9 @@ def test_write_ttl_expiry_discards_pending_shm_reservation(srv_shm, mp):
     c, ctx = _half_written(mp, srv_shm, model)
     try:
         before = _l1(mp, srv_shm)["total_object_count"]
-        _until(lambda: _l1(mp, srv_shm)["write_locked_count"] == 0, "the reservation expired", 20)
+        mp.wait_for(
+            lambda: _l1(mp, srv_shm)["write_locked_count"] == 0, "the reservation expired", 20
+        )
         # a commit after the deadline must not publish the half-written chunks
         k = mp.key("half", model=model)
         assert c.call("commit_store", k, ctx.instance_id, b"") is not True

@@ -541,11 +541,11 @@ def test_reaping_discards_pending_shm_reservation(lmcache_server, mp):
         assert ctx.mode == "SHM"
         reply = c.call("prepare_store", mp.key("half", model=model), ctx.instance_id)
         assert len(reply["context"]["slots"]) == 2
-        deadline = time.monotonic() + 10
-        while ctx.instance_id in mp.status(srv)["registered_non_cuda_instance_ids"]:
-            if time.monotonic() >= deadline:
-                pytest.fail("the unregistered worker never left the registry")
-            time.sleep(0.2)
+        mp.wait_for(
+            lambda: ctx.instance_id not in mp.status(srv)["registered_non_cuda_instance_ids"],
+            "the unregistered worker left the registry",
+            10,
+        )
         # the model's layout stays dormant, so the lookup is a real miss, not an early exit
         assert mp.lookup_hits(c, model=model) == 0
     finally:
@@ -628,12 +628,11 @@ def test_l1_evictions_reach_metrics(lmcache_server, mp):
             ctx.submit_store(
                 mp.key(f"ev{i}", model=model, tokens=tokens), list(range(1, 33))
             ).result(20)
-        deadline = time.monotonic() + 10
-        evicted = 0.0
-        while time.monotonic() < deadline and evicted == 0:
-            evicted = mp.metric(srv, "lmcache_mp_l1_evicted_chunks_total")
-            time.sleep(0.2)
-        assert evicted >= 1, srv.log()
+        mp.wait_for(
+            lambda: mp.metric(srv, "lmcache_mp_l1_evicted_chunks_total") >= 1,
+            "an L1 eviction counted in /metrics",
+            10,
+        )
     finally:
         ctx.close()
         c.close()

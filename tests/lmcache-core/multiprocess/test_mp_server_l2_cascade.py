@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import json
-import time
 
 import httpx
-import pytest
 import torch
 
 from lmcache.v1.multiprocess import protocol as P
@@ -22,11 +20,11 @@ def test_lookup_loads_from_l2_after_l1_is_cleared(lmcache_server, mp):
     c, ctx = mp.worker(srv.rpc_url, kv, model=model)
     try:
         assert ctx.submit_store(mp.key("s", model=model), list(range(1, 33))).result(20)
-        deadline = time.monotonic() + 30
-        while mp.status(srv)["storage_manager"]["l2_adapters"][0]["usage_bytes"] < 2 * 32768:
-            if time.monotonic() >= deadline:
-                pytest.fail("the write-behind store to L2 never finished")
-            time.sleep(0.1)
+        mp.wait_for(
+            lambda: mp.status(srv)["storage_manager"]["l2_adapters"][0]["usage_bytes"] >= 2 * 32768,
+            "the write-behind store to L2 finished",
+            30,
+        )
         assert c.call("clear", True) is None  # L1 only; L2 keeps the chunks
         peer = mp.RawPeer(srv.rpc_url)
         try:

@@ -333,7 +333,7 @@ def populate_write(ptr: int, length: int) -> None:
         raise OSError(err, f"madvise(MADV_POPULATE_WRITE): {os.strerror(err)}")
 
 
-class Prefaulter:
+class _Prefaulter:
     """Keeps ``headroom`` bytes past the highest used offset of a mapping backed ahead of use,
     from a background thread (module docstring). ``populate(offset, length)`` backs a range;
     ``note_used(end)`` reports that [0, end) is in use now."""
@@ -439,9 +439,9 @@ class L1Allocator:
                 target=self._grow_loop, name="l1-lazy-grow", daemon=True
             )
             self._grower.start()
-        self._prefaulter: Prefaulter | None = None
+        self._prefaulter: _Prefaulter | None = None
         if prefault_headroom > 0 and _MADV_POPULATE_WRITE is not None and not use_hugepages:
-            self._prefaulter = Prefaulter(
+            self._prefaulter = _Prefaulter(
                 size, self._arena.populate, prefault_headroom, "l1-prefault"
             )
 

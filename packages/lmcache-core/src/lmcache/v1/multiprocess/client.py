@@ -51,7 +51,6 @@ from lmcache.v1.multiprocess.token_hasher import tokens_to_be_bytes
 logger = init_logger(__name__)
 
 _PENDING = object()
-_POLLER_IDS = itertools.count()
 # A synchronous waiter receives in its own thread for at most this long (see _wait_fast).
 _FAST_WAIT_S = 0.005
 _FAST_SLICE_S = 0.001

@@ -140,6 +140,9 @@ class MPCacheServer:
                 else:
                     backlog = True
                 self._flush(sock)
+                # A send may consume the FD's signal for input that arrived meanwhile
+                # (zmq.FD semantics): look once more before blocking in epoll.
+                backlog = backlog or has_input(sock)
             self._flush(sock)
         finally:
             ep.close()
