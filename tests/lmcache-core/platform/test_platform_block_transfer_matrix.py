@@ -33,20 +33,21 @@ def _fill(obj: torch.Tensor, value: int) -> None:
     obj.fill_(value)
 
 
-def _run(fmt, direction, pointer, skip, ids=IDS, kv_list_nested=True):
+def _run(fmt, direction, pointer, skip, ids=IDS, kv_list_nested=True, bpo=BPO):
+    chunk = bpo * BS
     L = logical_kv(fmt, NL, NB, BS, NH, HS, seed=fmt)
-    n_obj = -(-len(ids) // BPO)
+    n_obj = -(-len(ids) // bpo)
     sd = shape_desc(fmt, L)
     if direction == D2H:
         paged = make_paged(fmt, L, kv_list_nested)
-        objs = [host_chunk(fmt, L, CHUNK, fill=7) for _ in range(n_obj)]
+        objs = [host_chunk(fmt, L, chunk, fill=7) for _ in range(n_obj)]
         operand = pointer_operands(fmt, paged) if pointer else paged
         obj_arg = [o.data_ptr() for o in objs] if pointer else objs
-        multi_layer_block_kv_transfer(operand, obj_arg, ids, "cpu", D2H, sd, CHUNK, fmt, skip)
+        multi_layer_block_kv_transfer(operand, obj_arg, ids, "cpu", D2H, sd, chunk, fmt, skip)
         exp = expected_rows(L, ids)
         for i, obj in enumerate(objs):
-            for j in range(BPO):
-                pos = i * BPO + j
+            for j in range(bpo):
+                pos = i * bpo + j
                 rows = obj[:, :, j * BS : (j + 1) * BS]
                 if skip <= pos < len(ids):
                     assert torch.equal(rows, exp[:, :, pos * BS : (pos + 1) * BS]), (i, j)
@@ -59,13 +60,13 @@ def _run(fmt, direction, pointer, skip, ids=IDS, kv_list_nested=True):
         full = expected_rows(new, ids)
         objs = []
         for i in range(n_obj):
-            o = host_chunk(fmt, new, CHUNK, fill=3)
-            take = min(BPO, len(ids) - i * BPO)
-            o[:, :, : take * BS] = full[:, :, i * CHUNK : i * CHUNK + take * BS]
+            o = host_chunk(fmt, new, chunk, fill=3)
+            take = min(bpo, len(ids) - i * bpo)
+            o[:, :, : take * BS] = full[:, :, i * chunk : i * chunk + take * BS]
             objs.append(o)
         operand = pointer_operands(fmt, paged) if pointer else paged
         obj_arg = [o.data_ptr() for o in objs] if pointer else objs
-        multi_layer_block_kv_transfer(operand, obj_arg, ids, "cpu", H2D, sd, CHUNK, fmt, skip)
+        multi_layer_block_kv_transfer(operand, obj_arg, ids, "cpu", H2D, sd, chunk, fmt, skip)
         back = paged_blocks(fmt, paged, old.shape)
         written = set(ids[skip:])
         for b in range(NB):
@@ -85,6 +86,37 @@ def test_tensor_operands_all_formats(fmt, direction):
 def test_pointer_operands_all_formats(fmt, direction):
     for skip in (0, 3, len(IDS)):
         _run(fmt, direction, True, skip)
+
+
+# Chunks whose blocks are runs of consecutive ids move by slice copies (one per run and
+# layer, K and V merged) instead of the index kernels: same bytes, every format.
+RUN_IDS = ([1, 2, 3, 4, 5, 6, 7, 8, 0], [5, 6, 7, 8, 1, 2, 3, 4, 0])
+
+
+RUN_CASES = [(f, False) for f in TENSOR_FORMATS] + [(f, True) for f in POINTER_FORMATS]
+
+
+@pytest.mark.parametrize(
+    "fmt,pointer",
+    RUN_CASES,
+    ids=lambda c: (
+        EngineKVFormat(c).name
+        if isinstance(c, int) and not isinstance(c, bool)
+        else ("ptr" if c else "tensor")
+    ),
+)
+@pytest.mark.parametrize("direction", [D2H, H2D], ids=["D2H", "H2D"])
+def test_block_runs_all_formats(fmt, pointer, direction, monkeypatch):
+    import lmcache.v1.platform.torch_ops._block as block
+
+    name = "_gather_runs" if direction == D2H else "_scatter_runs"
+    real, calls = getattr(block, name), []
+    monkeypatch.setattr(block, name, lambda *a: calls.append(a[2]) or real(*a))
+    for ids in RUN_IDS:
+        for skip in (0, 3, len(ids)):
+            _run(fmt, direction, pointer, skip, ids=ids, bpo=8)
+    assert calls, "no chunk took the block-run path"
+    assert [r for r in calls if len(r) == 2 and r[1][1] == 4], "two runs in one chunk not seen"
 
 
 @pytest.mark.parametrize("fmt", [4, 9])
