@@ -310,28 +310,32 @@ def benchmark(
     """Each side's client against its own server; the median over ``runs`` of each run's p50."""
     table: dict[str, dict[str, float]] = {}
     failures = []
-    for side in ("theirs", "ours"):
-        stores, retrieves = [], []
-        for i in range(runs):
+    stores: dict[str, list[float]] = {"theirs": [], "ours": []}
+    retrieves: dict[str, list[float]] = {"theirs": [], "ours": []}
+    # The sides alternate run by run, so a host whose speed drifts (shared VMs do) weighs
+    # on both alike.
+    for i in range(runs):
+        for side in ("theirs", "ours"):
             # A fresh server per run: 0.5.6's bench replays the same prompts every run, so
             # on a warm server its "cold" stores would all be hits and nothing is measured.
             with running_server(venvs[side], side, logdir, shm=shm, l1_gb=4) as urls:
                 r = run_client(venvs[side], side, *urls, BENCH_SPEC, requests, logdir)
                 if not r["verified"]:
                     failures.append(f"bench {side} run {i}: {r['detail']}")
-                stores.append(r["store_p50_ms"])
-                retrieves.append(r["retrieve_p50_ms"])
+                stores[side].append(r["store_p50_ms"])
+                retrieves[side].append(r["retrieve_p50_ms"])
                 print(
                     f"      bench {side} ({'shm' if shm else 'copy'}) run {i + 1}/{runs}:"
                     f" store p50 {r['store_p50_ms']:.1f} ms, retrieve p50"
                     f" {r['retrieve_p50_ms']:.1f} ms, {r['detail']}",
                     flush=True,
                 )
+    for side in ("theirs", "ours"):
         table[side] = {
-            "store_p50_ms": statistics.median(stores),
-            "retrieve_p50_ms": statistics.median(retrieves),
-            "store_runs_ms": stores,
-            "retrieve_runs_ms": retrieves,
+            "store_p50_ms": statistics.median(stores[side]),
+            "retrieve_p50_ms": statistics.median(retrieves[side]),
+            "store_runs_ms": stores[side],
+            "retrieve_runs_ms": retrieves[side],
         }
     t, o = table["theirs"], table["ours"]
     table["store_speedup"] = t["store_p50_ms"] / o["store_p50_ms"]

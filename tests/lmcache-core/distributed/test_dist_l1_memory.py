@@ -240,7 +240,7 @@ def test_prefault_keeps_headroom_backed_past_the_high_water_mark():
     """Pages ahead of the allocations are backed in the background (a store then copies into
     backed memory), memory grows only with the allocations, and data is never touched."""
     mib = 1 << 20
-    a = L1Allocator(256 * mib, 4096, prefault_headroom=32 * mib)
+    a = L1Allocator(256 * mib, 4096, prefault="ahead", prefault_headroom=32 * mib)
     try:
         assert _wait(lambda: a.prefaulted_bytes == 32 * mib)
         assert _resident_bytes(a.base_ptr, 256 * mib) == 32 * mib  # not the whole pool
@@ -253,11 +253,43 @@ def test_prefault_keeps_headroom_backed_past_the_high_water_mark():
         assert torch.equal(first.tensor, torch.arange(8 * mib, dtype=torch.int64).to(torch.uint8))
     finally:
         a.close()
-    off = L1Allocator(64 * mib, 4096, prefault_headroom=0)
+    off = L1Allocator(64 * mib, 4096, prefault="off")
     try:
+        assert off.prefault == "off"
         assert off.prefaulted_bytes == 0 and _resident_bytes(off.base_ptr, 64 * mib) < mib
     finally:
         off.close()
+
+
+@pytest.mark.skipif(l1_memory._MADV_POPULATE_WRITE is None, reason="Linux only")
+def test_prefault_all_backs_the_whole_pool_without_touching_data():
+    """The default backs every page of the pool in the background before any allocation,
+    so no store copies into unbacked memory; data written meanwhile survives."""
+    mib = 1 << 20
+    a = L1Allocator(96 * mib, 4096, shm_name=f"t_prefault_all_{os.getpid()}")
+    try:
+        assert a.prefault == "all"
+        obj = a.allocate([torch.Size([4 * mib])], [torch.uint8])
+        obj.tensor.copy_(torch.arange(4 * mib, dtype=torch.int64).to(torch.uint8))
+        assert _wait(lambda: a.prefaulted_bytes == 96 * mib)
+        assert _resident_bytes(a.base_ptr, 96 * mib) == 96 * mib
+        assert torch.equal(obj.tensor, torch.arange(4 * mib, dtype=torch.int64).to(torch.uint8))
+    finally:
+        a.close()
+
+
+def test_prefault_all_falls_back_to_ahead_when_the_pool_does_not_fit(monkeypatch, caplog):
+    mib = 1 << 20
+    monkeypatch.setattr(l1_memory, "_available_memory_bytes", lambda: 32 * mib)
+    a = L1Allocator(64 * mib, 4096, prefault_headroom=8 * mib)
+    try:
+        assert a.prefault == "ahead"
+        assert "prefault 'all' skipped" in caplog.text
+        assert _wait(lambda: a.prefaulted_bytes == 8 * mib)
+    finally:
+        a.close()
+    with pytest.raises(ValueError, match="prefault must be one of all, ahead, off"):
+        L1Allocator(64 * mib, 4096, prefault="eager")
 
 
 def _wait(cond, timeout: float = 10.0) -> bool:

@@ -62,3 +62,72 @@ def test_shm_attach_failure_without_negotiation_falls_back_to_pickle(
         ctx.close()
     finally:
         client.close()
+
+
+def _resident_regions(pool_name: str, region: int = 2 << 20) -> tuple[int, int]:
+    """(resident, total) 2 MiB regions of a server's SHM pool, read with mincore (no faults)."""
+    import ctypes
+    import mmap
+
+    from lmcache.v1.distributed.l1_memory import is_resident
+
+    path = f"/dev/shm/lmcache_l1_pool_{pool_name}"
+    size = os.path.getsize(path)
+    fd = os.open(path, os.O_RDWR)
+    try:
+        m = mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
+    anchor = ctypes.c_char.from_buffer(m)
+    try:
+        start = ctypes.addressof(anchor)
+        regions = -(-size // region)
+        resident = sum(
+            is_resident(start + r * region, min(region, size - r * region)) for r in range(regions)
+        )
+        return resident, regions
+    finally:
+        del anchor
+        m.close()
+
+
+def test_worker_maps_the_pool_the_server_backed_and_nothing_else(lmcache_server, mp):
+    """By default the server backs its whole pool at start and a worker maps it in the
+    background (its copies then never map pages); with --l1-prefault off the worker maps
+    no page the server has not backed, so it never grows the server's memory."""
+    name = f"pmap{os.getpid()}"
+    srv = lmcache_server("--shm-name", name, "--l1-size-gb", "0.125")
+    kv = mp.make_kv(num_blocks=80)
+    client, ctx = mp.worker(srv.rpc_url, kv, model="pmap")
+    try:
+        assert ctx.mode == "SHM"
+        pool = 128 << 20
+        mp.wait_for(lambda: ctx.mapped_bytes == pool, "the worker mapped the whole pool")
+        assert _resident_regions(name) == (64, 64)
+        assert ctx.submit_store(mp.key("pm", model="pmap"), list(range(1, 33))).result(20)
+        rid = "pm-r"
+        assert mp.lookup_hits(client, model="pmap", rid=rid) == 2
+        want = [t[:, 1:33].clone() for t in kv]
+        for t in kv:
+            t[:, 40:72].zero_()
+        assert ctx.submit_retrieve(mp.key(rid, model="pmap"), list(range(40, 72))).result(20)
+        assert all(torch.equal(t[:, 40:72], w) for t, w in zip(kv, want, strict=True))
+    finally:
+        ctx.unregister()
+        ctx.close()
+        client.close()
+
+    lazy = f"pmapoff{os.getpid()}"
+    srv = lmcache_server("--shm-name", lazy, "--l1-size-gb", "0.125", "--l1-prefault", "off")
+    client, ctx = mp.worker(srv.rpc_url, kv, model="pmap")
+    try:
+        assert ctx.mode == "SHM"
+        mp.wait_for(lambda: ctx._mapper is None or not ctx._mapper.is_alive(), "mapper done")
+        assert ctx.mapped_bytes == 0 and _resident_regions(lazy)[0] == 0
+        assert ctx.submit_store(mp.key("pm", model="pmap"), list(range(1, 33))).result(20)
+        resident, total = _resident_regions(lazy)
+        assert 0 < resident < total  # the slots of that one store, mapped on first use
+    finally:
+        ctx.unregister()
+        ctx.close()
+        client.close()

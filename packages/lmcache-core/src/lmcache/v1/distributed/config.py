@@ -70,6 +70,10 @@ class EvictionConfig:
                 raise ValueError(f"{name} must be a number in [0, 1] (got {v!r})")
 
 
+#: when L1 pages are backed (see l1_memory): the whole pool at start, ahead of use, or never
+PREFAULT_MODES = ("all", "ahead", "off")
+
+
 @dataclass
 class L1MemoryManagerConfig:
     size_in_bytes: int
@@ -80,8 +84,14 @@ class L1MemoryManagerConfig:
     use_hugepages: bool = False
     devdax_path: str | None = None
     devdax_size_in_bytes: int = 0
+    #: when L1 pages are backed: "all" (from the start), "ahead" (256 MiB ahead of use), "off"
+    prefault: str = "all"
 
     def __post_init__(self) -> None:
+        if self.prefault not in PREFAULT_MODES:
+            raise ValueError(
+                f"l1 prefault must be one of {', '.join(PREFAULT_MODES)} (got {self.prefault!r})"
+            )
         if int(self.size_in_bytes) <= 0:
             raise ValueError(f"L1 size must be positive (got {self.size_in_bytes} bytes)")
         a = int(self.align_bytes)
@@ -134,6 +144,7 @@ class StorageManagerConfig:
                 "align_bytes": m.align_bytes,
                 "shm_name": m.shm_name,
                 "use_hugepages": m.use_hugepages,
+                "prefault": m.prefault,
                 "write_ttl_seconds": c.write_ttl_seconds,
                 "read_ttl_seconds": c.read_ttl_seconds,
                 "eviction": vars(self.eviction_config_for(c)).copy(),
@@ -186,6 +197,15 @@ def add_l1_args(
         type=int,
         default=20,
         help="initially committed L1 size in GiB for lazy L1 (clamped to --l1-size-gb)",
+    )
+    g.add_argument(
+        "--l1-prefault",
+        choices=PREFAULT_MODES,
+        default="all",
+        help="when the pages of L1 are backed, by a background thread: all = the whole pool "
+        "from the start (memory use reaches --l1-size-gb within seconds; stores never wait for "
+        "page allocation), ahead = 256 MiB ahead of use (memory grows as L1 fills), off = on "
+        "first write",
     )
     g.add_argument(
         "--l1-align-bytes",
@@ -319,7 +339,7 @@ _L1_COMMON = {
     "write_ttl_seconds",
     "eviction",
 }
-_L1_DRAM = {"use_lazy", "init_size_gb", "shm_name", "use_hugepages"}
+_L1_DRAM = {"use_lazy", "init_size_gb", "shm_name", "use_hugepages", "prefault"}
 _L1_EXTRA = {
     "DRAM": _L1_DRAM,
     "DEVDAX": {"devdax_path"},
@@ -381,6 +401,7 @@ def parse_l1_manager_json(text: str) -> L1ManagerConfig:
         shm_name=shm_name,
         use_hugepages=bool(d.get("use_hugepages", False)),
         devdax_path=d.get("devdax_path"),
+        prefault=d.get("prefault", "all"),
     )
     return L1ManagerConfig(
         memory_config=mem,
@@ -465,6 +486,7 @@ def parse_args_to_storage_manager_config(args: argparse.Namespace) -> StorageMan
             shm_name=shm_name,
             use_hugepages=use_hugepages,
             devdax_path=getattr(args, "l1_devdax_path", None),
+            prefault=getattr(args, "l1_prefault", "all"),
         )
         eviction = EvictionConfig(policy, watermark, ratio)
         gds_path = getattr(args, "gds_l1_path", None)

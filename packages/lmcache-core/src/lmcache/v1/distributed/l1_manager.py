@@ -64,6 +64,7 @@ class L1Manager(L1ManagerInterface):
             init_size=mem.init_size_in_bytes,
             shm_name=mem.shm_name,
             use_hugepages=mem.use_hugepages,
+            prefault=mem.prefault,
         )
         self._write_ttl = float(config.write_ttl_seconds)
         self._read_ttl = float(config.read_ttl_seconds)

@@ -16,11 +16,19 @@ There is no page pinning on CPU-only hosts, so committing only moves the usable 
 
 Prefaulting: the kernel backs a page on its first write, and a store that copies into
 never-touched L1 pays that fault for every 4 KiB (a copy into fresh pages runs at a third of
-the speed of one into backed pages). A background thread keeps ``prefault_headroom`` bytes
-(256 MiB by default) beyond the highest allocated address backed ahead of time with
-``madvise(MADV_POPULATE_WRITE)``, so a filling L1 writes into backed pages while memory use
-still grows only as L1 fills. Once L1 is full, evicted blocks are reused and nothing is left
-to fault.
+the speed of one into backed pages), or, if a background thread backs the pages just then,
+shares the cores with the kernel zeroing them. ``prefault`` chooses when pages are backed,
+always by a background thread with ``madvise(MADV_POPULATE_WRITE)``:
+
+- ``all`` (default): the whole pool, front to back, from the start: memory use reaches the
+  L1 size within seconds (as LMCache 0.5.6 commits its L1) and no store ever waits for page
+  allocation. When the host has less memory available than the pool, it falls back to
+  ``ahead`` with a WARNING.
+- ``ahead``: ``prefault_headroom`` bytes (256 MiB) beyond the highest allocated address, so
+  memory use grows only as L1 fills.
+- ``off``: pages are backed on first write.
+
+Once L1 is full, evicted blocks are reused and nothing is left to fault.
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ from typing import Any
 import torch
 
 from lmcache.utils import init_logger
+from lmcache.v1.distributed.config import PREFAULT_MODES
 from lmcache.v1.distributed.internal_api import L1MemoryDesc
 from lmcache.v1.memory_management import MemoryFormat, MemoryObjMetadata, TensorMemoryObj
 
@@ -59,6 +68,7 @@ PREFAULT_HEADROOM = 256 << 20
 PREFAULT_STEP = 16 << 20
 # Linux 5.14+; Python's mmap module names it only from 3.12 on.
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23 if sys.platform == "linux" else None)
+_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22 if sys.platform == "linux" else None)
 HUGEPAGE_SIZE = 2 << 20
 _MAP_HUGETLB = getattr(mmap, "MAP_HUGETLB", 0x40000)
 # Python < 3.12 does not export it; 0x4000 is the Linux value.
@@ -301,6 +311,11 @@ def _available_memory_bytes() -> int | None:
         return None
 
 
+def _fits_in_available_memory(size: int) -> bool:
+    available = _available_memory_bytes()
+    return available is None or size <= available
+
+
 def _warn_if_larger_than_available_memory(size: int) -> None:
     """The pool commits pages on first use, so too large a size is only a warning."""
     available = _available_memory_bytes()
@@ -323,14 +338,38 @@ def populate_write(ptr: int, length: int) -> None:
     """Back and map the pages of [ptr, ptr + length) now, as writes would, in one kernel call
     (``MADV_POPULATE_WRITE``) instead of one fault per 4 KiB page. ``ptr`` is rounded down to
     a page. Runs without the GIL. Raises OSError where the kernel lacks it (before 5.14)."""
-    if _MADV_POPULATE_WRITE is None:
-        raise OSError(errno.ENOSYS, "MADV_POPULATE_WRITE is Linux-only")
+    _populate(ptr, length, _MADV_POPULATE_WRITE, "MADV_POPULATE_WRITE")
+
+
+def populate_read(ptr: int, length: int) -> None:
+    """Map the pages of [ptr, ptr + length) of a shared mapping into this process now
+    (``MADV_POPULATE_READ``). For pages another process already backed this costs about half
+    of ``populate_write``: read faults map 16 neighbouring pages at once, and a shared tmpfs
+    mapping gets writable entries, so later writes fault no more. Holes are backed as a
+    fault would. Runs without the GIL; OSError before Linux 5.14."""
+    _populate(ptr, length, _MADV_POPULATE_READ, "MADV_POPULATE_READ")
+
+
+def is_resident(ptr: int, length: int) -> bool:
+    """Whether every page of [ptr, ptr + length) is in memory (``mincore``), without faulting
+    any in. For a shared mapping this tells whether its owner has backed those pages."""
     start = ptr - ptr % mmap.PAGESIZE
-    if _libc().madvise(
-        ctypes.c_void_p(start), ctypes.c_size_t(length + ptr - start), _MADV_POPULATE_WRITE
-    ):
+    n = length + ptr - start
+    vec = (ctypes.c_ubyte * (-(-n // mmap.PAGESIZE)))()
+    if _libc().mincore(ctypes.c_void_p(start), ctypes.c_size_t(n), vec):
         err = ctypes.get_errno()
-        raise OSError(err, f"madvise(MADV_POPULATE_WRITE): {os.strerror(err)}")
+        raise OSError(err, f"mincore: {os.strerror(err)}")
+    raw = bytes(vec)
+    return raw.count(1) == len(raw)
+
+
+def _populate(ptr: int, length: int, advice: int | None, what: str) -> None:
+    if advice is None:
+        raise OSError(errno.ENOSYS, f"{what} is Linux-only")
+    start = ptr - ptr % mmap.PAGESIZE
+    if _libc().madvise(ctypes.c_void_p(start), ctypes.c_size_t(length + ptr - start), advice):
+        err = ctypes.get_errno()
+        raise OSError(err, f"madvise({what}): {os.strerror(err)}")
 
 
 class _Prefaulter:
@@ -402,6 +441,7 @@ class L1Allocator:
         commit_step: int = COMMIT_STEP,
         pin_step: int = PIN_STEP,
         grow_in_background: bool = True,
+        prefault: str = "all",
         prefault_headroom: int = PREFAULT_HEADROOM,
     ) -> None:
         if size <= 0:
@@ -412,6 +452,10 @@ class L1Allocator:
             raise ValueError(
                 'l1-use-hugepages is incompatible with shared memory. Please set --shm-name "" '
                 "to disable SHM when enabling hugepages."
+            )
+        if prefault not in PREFAULT_MODES:
+            raise ValueError(
+                f"L1 prefault must be one of {', '.join(PREFAULT_MODES)} (got {prefault!r})"
             )
         if use_hugepages and lazy:
             logger.info("L1 hugepages force --no-l1-use-lazy")
@@ -440,10 +484,23 @@ class L1Allocator:
             )
             self._grower.start()
         self._prefaulter: _Prefaulter | None = None
-        if prefault_headroom > 0 and _MADV_POPULATE_WRITE is not None and not use_hugepages:
-            self._prefaulter = _Prefaulter(
-                size, self._arena.populate, prefault_headroom, "l1-prefault"
+        if prefault == "all" and not _fits_in_available_memory(size):
+            logger.warning(
+                "L1 prefault 'all' skipped: the %.2f GiB pool does not fit in the memory "
+                "available now; backing pages %d MiB ahead of use instead",
+                size / 2**30,
+                prefault_headroom >> 20,
             )
+            prefault = "ahead"
+        if prefault == "all":
+            headroom = size
+        elif prefault == "ahead":
+            headroom = prefault_headroom
+        else:
+            headroom = 0
+        self.prefault = prefault if headroom > 0 else "off"
+        if headroom > 0 and _MADV_POPULATE_WRITE is not None and not use_hugepages:
+            self._prefaulter = _Prefaulter(size, self._arena.populate, headroom, "l1-prefault")
 
     # --- lazy growth -----------------------------------------------------------------------
 

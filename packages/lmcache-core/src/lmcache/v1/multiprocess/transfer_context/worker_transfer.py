@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import mmap
 import os
+import threading
 from typing import Any
 
 import torch
 
 from lmcache.utils import init_logger
-from lmcache.v1.distributed.l1_memory import populate_write
+from lmcache.v1.distributed.l1_memory import is_resident, populate_read
 from lmcache.v1.multiprocess import payload_codec as codec
 from lmcache.v1.multiprocess import protocol as P
 from lmcache.v1.multiprocess.client import MPClient, MPFuture
@@ -107,6 +108,8 @@ class EngineDrivenTransferContext(_BaseContext):
         self.shm_name = ""
         self._mapped_regions: set[int] = set()  # pool regions (_MAP_REGION) mapped here
         self._populate_ok = True
+        self._mapper: threading.Thread | None = None
+        self._mapper_stop = threading.Event()
 
     def register(self, model_name: str, world_size: int, engine_group_infos: Any = None) -> None:
         if engine_group_infos is not None and len(engine_group_infos) > 1:
@@ -174,8 +177,58 @@ class EngineDrivenTransferContext(_BaseContext):
         self._shm_fd, self._shm_map, self.shm_name = fd, m, name
         self._shm_flat = torch.frombuffer(m, dtype=torch.uint8)
         self._mapped_regions = set()
+        self._populate_ok = True
+        self._mapper_stop = threading.Event()
+        self._mapper = threading.Thread(
+            target=self._map_backed_regions,
+            args=(self._shm_flat, self._mapper_stop),
+            name="lmcache-shm-map",
+            daemon=True,
+        )
+        self._mapper.start()
+
+    @property
+    def mapped_bytes(self) -> int:
+        """Bytes of the SHM pool mapped into this process so far."""
+        if self._shm_flat is None:
+            return 0
+        size = self._shm_flat.numel()
+        return sum(min(_MAP_REGION, size - r * _MAP_REGION) for r in list(self._mapped_regions))
+
+    def _map_backed_regions(self, flat: torch.Tensor, stop: threading.Event) -> None:
+        """Map, in the background, the pool regions the server has already backed, so stores
+        and retrieves seldom map pages on their own path (a 64 MiB slot costs 2-7 ms to map).
+        Regions not backed yet are left alone (mapping them would back them: the server may
+        keep its memory use growing with L1) and are mapped on first use. Passes repeat while
+        the server is still backing its pool."""
+        base, size = flat.data_ptr(), flat.numel()
+        regions = -(-size // _MAP_REGION)
+        while not stop.is_set():
+            mapped_now = 0
+            for r in range(regions):
+                if stop.is_set():
+                    return
+                if r in self._mapped_regions:
+                    continue
+                n = min(_MAP_REGION, size - r * _MAP_REGION)
+                try:
+                    if not is_resident(base + r * _MAP_REGION, n):
+                        continue
+                    populate_read(base + r * _MAP_REGION, n)
+                except OSError as exc:
+                    logger.info("SHM pool is mapped on first use only (%s)", exc)
+                    return
+                self._mapped_regions.add(r)
+                mapped_now += 1
+            if not mapped_now or len(self._mapped_regions) >= regions:
+                return
+            stop.wait(0.5)
 
     def _detach(self) -> None:
+        self._mapper_stop.set()
+        if self._mapper is not None:
+            self._mapper.join()
+            self._mapper = None
         self._shm_flat = None
         if self._shm_map is not None:
             try:
@@ -210,7 +263,7 @@ class EngineDrivenTransferContext(_BaseContext):
         base, size = self._shm_flat.data_ptr(), self._shm_flat.numel()
         try:
             for r in todo:
-                populate_write(base + r * _MAP_REGION, min(_MAP_REGION, size - r * _MAP_REGION))
+                populate_read(base + r * _MAP_REGION, min(_MAP_REGION, size - r * _MAP_REGION))
                 self._mapped_regions.add(r)
         except OSError as exc:
             self._populate_ok = False
