@@ -544,6 +544,8 @@ class L1Manager(L1ManagerInterface):
                 "read_ttl_seconds": self._read_ttl,
                 "lazy": self._allocator.lazy,
                 "committed_bytes": self._allocator.committed_size,
+                "prefault": self._allocator.prefault,
+                "prefaulted_bytes": self._allocator.prefaulted_bytes,
                 "size_bytes": self._allocator.size,
                 "shm_name": self.shm_name,
                 "pool_size": self.pool_size,

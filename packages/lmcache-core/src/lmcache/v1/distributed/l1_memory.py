@@ -305,6 +305,14 @@ class _Arena:
 
 
 def _available_memory_bytes() -> int | None:
+    """MemAvailable (free plus reclaimable page cache), else free pages; None if unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
     try:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError):
@@ -498,9 +506,10 @@ class L1Allocator:
             headroom = prefault_headroom
         else:
             headroom = 0
-        self.prefault = prefault if headroom > 0 else "off"
         if headroom > 0 and _MADV_POPULATE_WRITE is not None and not use_hugepages:
             self._prefaulter = _Prefaulter(size, self._arena.populate, headroom, "l1-prefault")
+        #: the mode in effect ("off" where the kernel cannot prefault or hugepages back L1)
+        self.prefault = prefault if self._prefaulter is not None else "off"
 
     # --- lazy growth -----------------------------------------------------------------------
 

@@ -37,6 +37,12 @@ LMCACHE_DRIVEN = "lmcache_driven"
 MODE_FIX = "start lmcache server with --supported-transfer-mode auto"
 
 
+# Engine-driven transfer ops that, on the SHM path, only touch server bookkeeping.
+_BOOKKEEPING_OPS = frozenset(
+    {"prepare_store", "commit_store", "prepare_retrieve", "commit_retrieve"}
+)
+
+
 class RequestContext:
     """What a handler knows about its request, and how it replies later when parked."""
 
@@ -211,6 +217,20 @@ class CacheEngine:
             "noop": lambda ctx: "OK",
             "get_experimental": lambda ctx: list(self.features),
         }
+
+    def runs_inline(self, op: str, args: list[Any]) -> bool:
+        """Whether a transfer op is only bookkeeping and may run on the loop thread: the
+        prepare/commit ops of a worker on the SHM path (the worker copies; the server only
+        reserves, publishes or unlocks). The copy path moves payloads and stays on the pool."""
+        if op not in _BOOKKEEPING_OPS or len(args) < 2:
+            return False
+        try:
+            inst = self.instances.get(args[1])
+        except TypeError:
+            return False
+        if inst is None or inst.mode != ENGINE_DRIVEN or inst.strategy != "shm":
+            return False
+        return op != "commit_store" or len(args) < 3 or not args[2]
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
