@@ -1175,16 +1175,30 @@ def fan_out_keys(
 
     if ranks is None:
         ranks = range(key.world_size) if key.worker_id is None else [key.worker_id]
+    if len(_interned_keys) > _INTERNED_KEYS_MAX:
+        _interned_keys.clear()
+    model, salt = key.model_name, key.cache_salt
     rows = []
     for r in ranks:
         kv_rank = compute_kv_rank(key.world_size, r)
-        rows.append(
-            [
-                ObjectKey(hashes[c], key.model_name, kv_rank, 0, key.cache_salt)
-                for c in range(first, last)
-            ]
-        )
+        row = []
+        for c in range(first, last):
+            fields = (hashes[c], model, kv_rank, 0, salt)
+            k = _interned_keys.get(fields)
+            if k is None:
+                k = _interned_keys[fields] = ObjectKey(*fields)
+            row.append(k)
+        rows.append(row)
     return rows
+
+
+# The one ObjectKey of each recently seen (hash, model, rank, group, salt). The storage
+# layer keeps the key objects a store brought in its dicts; a lookup that brings those same
+# objects finds them by identity instead of running ObjectKey.__eq__ (about 80 times for a
+# 16-chunk lookup) and skips building and validating 16 keys. Cleared when full; any thread
+# may use it (single dict operations; a lost race only yields an equal, separate key).
+_INTERNED_KEYS_MAX = 1 << 16
+_interned_keys: dict[tuple[Any, ...], Any] = {}
 
 
 def codec_feature(ctx: RequestContext) -> bool:
