@@ -271,11 +271,6 @@ def _baselines(client) -> dict[str, Any]:
     import torch
     import zmq
 
-    rtts = []
-    for _ in range(500):
-        t0 = time.perf_counter()
-        client.noop()
-        rtts.append(time.perf_counter() - t0)
     ctx = zmq.Context.instance()
     rep = ctx.socket(zmq.REP)
     port = rep.bind_to_random_port("tcp://127.0.0.1")
@@ -290,12 +285,18 @@ def _baselines(client) -> dict[str, Any]:
     th.start()
     req = ctx.socket(zmq.REQ)
     req.connect(f"tcp://127.0.0.1:{port}")
-    zrtts = []
-    for _ in range(500):
-        t0 = time.perf_counter()
-        req.send(b"x")
-        req.recv()
-        zrtts.append(time.perf_counter() - t0)
+    rtts, zrtts = [], []
+    # Blocks of the two alternate, so a host whose speed drifts weighs on both alike.
+    for _ in range(10):
+        for _ in range(50):
+            t0 = time.perf_counter()
+            client.noop()
+            rtts.append(time.perf_counter() - t0)
+        for _ in range(50):
+            t0 = time.perf_counter()
+            req.send(b"x")
+            req.recv()
+            zrtts.append(time.perf_counter() - t0)
     stop.set()
     th.join()
     req.close(0)
