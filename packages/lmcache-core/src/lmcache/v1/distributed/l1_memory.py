@@ -41,6 +41,7 @@ import mmap
 import os
 import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -414,6 +415,7 @@ class _Prefaulter:
         return self._faulted
 
     def _run(self) -> None:
+        t0 = time.monotonic()
         while True:
             self._wake.wait()
             self._wake.clear()
@@ -425,6 +427,12 @@ class _Prefaulter:
                     logger.info("prefaulting off (%s); pages are backed on first write", exc)
                     return
                 self._faulted += n
+                if self._faulted >= self._size:
+                    logger.info(
+                        "L1 pool fully backed: %.2f GiB, %.1f s after start",
+                        self._size / 2**30,
+                        time.monotonic() - t0,
+                    )
             if self._stop:
                 return
 
