@@ -205,6 +205,10 @@ def test_abort_before_the_lookup_result_frees_locks(server, engines):
     prompt = tokens(600, seed=10)
     store_prompt(engines, prompt)
     warm = engines()
+    adapter = warm.scheduler.scheduler_adapter
+    # The server may answer before the adapter looks again; keep the answer unread so the
+    # abort lands while the lookup is still outstanding for the scheduler.
+    adapter._advance_lookup = lambda t: None
     warm.add_request("y", prompt)
     warm.step()  # sends the lookup, returns None
     assert warm.match_results["y"] == [(None, True)]

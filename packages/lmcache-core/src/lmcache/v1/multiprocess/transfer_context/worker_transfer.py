@@ -36,6 +36,7 @@ from lmcache.v1.multiprocess.transfer_context.base import (
 logger = init_logger(__name__)
 
 _MAP_REGION = 2 << 20  # granule in which the SHM pool is mapped into a worker before a copy
+_MAP_IDLE_PASSES = 4  # background mapping stops after this many passes that found nothing new
 
 
 def _as_list(kv_caches: Any) -> list[torch.Tensor]:
@@ -199,10 +200,12 @@ class EngineDrivenTransferContext(_BaseContext):
         """Map, in the background, the pool regions the server has already backed, so stores
         and retrieves seldom map pages on their own path (a 64 MiB slot costs 2-7 ms to map).
         Regions not backed yet are left alone (mapping them would back them: the server may
-        keep its memory use growing with L1) and are mapped on first use. Passes repeat while
-        the server is still backing its pool."""
+        keep its memory use growing with L1) and are mapped on first use. Passes repeat every
+        0.5 s while the server is still backing its pool (and for a few passes before it
+        starts, as when a worker registers right after the server started)."""
         base, size = flat.data_ptr(), flat.numel()
         regions = -(-size // _MAP_REGION)
+        idle_passes = 0
         while not stop.is_set():
             mapped_now = 0
             for r in range(regions):
@@ -220,7 +223,8 @@ class EngineDrivenTransferContext(_BaseContext):
                     return
                 self._mapped_regions.add(r)
                 mapped_now += 1
-            if not mapped_now or len(self._mapped_regions) >= regions:
+            idle_passes = 0 if mapped_now else idle_passes + 1
+            if idle_passes >= _MAP_IDLE_PASSES or len(self._mapped_regions) >= regions:
                 return
             stop.wait(0.5)
 
