@@ -104,6 +104,7 @@ def running_server(
             if time.monotonic() > deadline:
                 raise CompatFailure(f"{label} server not healthy after 180 s; log: {log}")
             time.sleep(0.5)
+        _wait_l1_backed(http_url, deadline)
         yield f"tcp://127.0.0.1:{port}", http_url
     finally:
         proc.terminate()
@@ -112,6 +113,23 @@ def running_server(
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def _wait_l1_backed(http_url: str, deadline: float) -> None:
+    """Our server backs its L1 pool in the background after start (``--l1-prefault all``);
+    measure once that startup work is done, as docs/server.md advises. A server without
+    the field (0.5.6) is measured at once."""
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"{http_url}/status", timeout=2) as r:
+                l1 = json.load(r).get("storage_manager", {}).get("l1", {})
+        except (OSError, ValueError):
+            return
+        if "prefaulted_bytes" not in l1 or l1.get("prefault") != "all":
+            return
+        if l1["prefaulted_bytes"] >= l1.get("size_bytes", 0):
+            return
+        time.sleep(0.2)
 
 
 def run_client(
