@@ -146,6 +146,21 @@ class PrefetchController:
             self._queue.put(req)
         return handle
 
+    def lookup_l1_now(self, rows: list[list[ObjectKey]], readers: int) -> int | None:
+        """A prefix lookup served at once from the single L1, without a request object, when
+        ``submit`` would serve it from L1 alone too (one L1; no L2 adapter, or every key
+        resident): the hit prefix, read-locked ``readers`` times. None when it needs the
+        full path."""
+        if len(self.l1s) != 1:
+            return None
+        l1 = self.l1s[0]
+        if self.registry.slots(include_draining=False) and not l1.contains_all(
+            k for row in rows for k in row
+        ):
+            return None
+        self.stats["requests"] += 1
+        return read_l1_prefix(l1, rows, readers)
+
     def query(self, handle: PrefetchHandle) -> PrefetchResult | None:
         """The result once; None while running (and after it was returned)."""
         if handle.prefetch_request_id == -1:
@@ -691,22 +706,8 @@ class _RequestRun:
         )
 
     def _execute_l1_only(self) -> PrefetchResult:
-        l1 = self.ctl.l1s[0]
-        flat = [k for row in self.keys for k in row]
-        res = l1.reserve_read(flat, self.readers)
-        ok = [res.get(k, _MISS)[0] is L1Error.SUCCESS for k in flat]
-        hit = self.cols
-        for r in range(self.rows):
-            row_ok = ok[r * self.cols : (r + 1) * self.cols]
-            hit = min(hit, row_ok.index(False) if False in row_ok else self.cols)
-        keep = hit if self.spec.lock_mode is not LockMode.NO_LOCK else 0
-        release = [
-            k for i, k in enumerate(flat) if ok[i] and i % self.cols >= keep
-        ]  # every locked cell outside the kept prefix
-        if release:
-            l1.finish_read(release, self.readers)
-        if hit:
-            l1.touch_keys([k for i, k in enumerate(flat) if i % self.cols < hit])
+        keep_locks = self.spec.lock_mode is not LockMode.NO_LOCK
+        hit = read_l1_prefix(self.ctl.l1s[0], self.keys, self.readers, keep_locks)
         hits = [Bitmap(self.cols, hit) for _ in range(self.rows)]
         return PrefetchResult(
             hits,
@@ -766,3 +767,29 @@ class _RequestRun:
         for idx, cells in self.l2_found.items():
             self._unlock_l2(idx, cells)
         self.l2_found.clear()
+
+
+def read_l1_prefix(
+    l1: Any, rows: list[list[ObjectKey]], readers: int, keep_locks: bool = True
+) -> int:
+    """The longest chunk prefix that every row of keys has in ``l1`` (the prefix policy).
+
+    Its cells stay read-locked ``readers`` times when ``keep_locks`` and are touched for
+    eviction; every other cell the check locked is released at once. The L1-only prefetch
+    and the MP server's direct lookup (``StorageBridge.lookup_l1_now``) both use it.
+    """
+    cols = len(rows[0]) if rows else 0
+    flat = [k for row in rows for k in row]
+    res = l1.reserve_read(flat, readers)
+    ok = [res.get(k, _MISS)[0] is L1Error.SUCCESS for k in flat]
+    hit = cols
+    for r in range(len(rows)):
+        row_ok = ok[r * cols : (r + 1) * cols]
+        hit = min(hit, row_ok.index(False) if False in row_ok else cols)
+    keep = hit if keep_locks else 0
+    release = [k for i, k in enumerate(flat) if ok[i] and i % cols >= keep]
+    if release:
+        l1.finish_read(release, readers)
+    if hit:
+        l1.touch_keys([k for i, k in enumerate(flat) if i % cols < hit])
+    return hit

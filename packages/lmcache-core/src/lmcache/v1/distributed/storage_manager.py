@@ -218,6 +218,12 @@ class StorageManager:
         assert self.prefetch_controller is not None
         return self.prefetch_controller.submit(spec, external_request_id, skip_l2)
 
+    def lookup_prefix_in_l1(self, rows: list[list[ObjectKey]], readers: int) -> int | None:
+        """The hit prefix of a lookup L1 alone answers now (read-locked), else None: then
+        use ``submit_prefetch_task``."""
+        assert self.prefetch_controller is not None
+        return self.prefetch_controller.lookup_l1_now(rows, readers)
+
     def query_prefetch_status(self, handle: PrefetchHandle) -> PrefetchResult | None:
         assert self.prefetch_controller is not None
         return self.prefetch_controller.query(handle)

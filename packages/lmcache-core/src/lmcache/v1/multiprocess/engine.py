@@ -556,14 +556,19 @@ class CacheEngine:
             return None
         job.rows = self._keys(hashes, first, last, key, range(key.world_size))
         try:
-            job.handle = self.storage.submit_lookup(
-                job.rows, lay.desc, key.num_kv_readers, key.request_id
-            )
+            # The common case: L1 alone answers at once, without a prefetch request.
+            now = self.storage.lookup_l1_now(job.rows, key.num_kv_readers)
+            if now is None:
+                job.handle = self.storage.submit_lookup(
+                    job.rows, lay.desc, key.num_kv_readers, key.request_id
+                )
         except Exception as exc:
             logger.error("lookup %s: prefetch submit failed: %s", key.request_id, exc)
             job.complete(0)
             return None
-        if self.storage.wait_lookup(job.handle, 0):
+        if now is not None:
+            self._finish_job(session, job, now)
+        elif self.storage.wait_lookup(job.handle, 0):
             self._finish_job(session, job)
         else:
             self._lookup_waiters.submit(self._wait_job, session, job)
@@ -575,14 +580,17 @@ class CacheEngine:
                 break
         self._finish_job(session, job)
 
-    def _finish_job(self, session: Session, job: LookupJob) -> None:
+    def _finish_job(self, session: Session, job: LookupJob, out: Any = None) -> None:
+        """Record a finished lookup's hits as the session's read shares and complete it;
+        ``out`` is the outcome when it was answered directly, else it comes from the handle."""
         n = len(job.rows[0]) if job.rows else 0
-        try:
-            out = self.storage.lookup_result(job.handle, n)
-        except Exception as exc:
-            logger.error("lookup %s: prefetch result failed: %s", session.request_id, exc)
-            job.complete(0)
-            return
+        if out is None:
+            try:
+                out = self.storage.lookup_result(job.handle, n)
+            except Exception as exc:
+                logger.error("lookup %s: prefetch result failed: %s", session.request_id, exc)
+                job.complete(0)
+                return
         hit = out.hit_chunks
         self.metrics.inc("lmcache_mp_lookup_hit_tokens", hit * self.cs)
         self.metrics.inc("lmcache_mp_lookup_hit_l1_keys", out.l1_keys)

@@ -90,6 +90,14 @@ class StorageBridge:
         skip_l2 = self.l1.contains_all(k for row in rows for k in row)
         return self.sm.submit_prefetch_task(spec, external_request_id=request_id, skip_l2=skip_l2)
 
+    def lookup_l1_now(self, rows: list[list[Any]], num_kv_readers: int) -> LookupOutcome | None:
+        """The lookup answered synchronously from L1 when nothing else could add to it (one
+        L1; no L2 adapter, or every key resident), its hit prefix read-locked; else None."""
+        hit = self.sm.lookup_prefix_in_l1(rows, num_kv_readers)
+        if hit is None:
+            return None
+        return LookupOutcome(hit, hit * len(rows), 0)
+
     def wait_lookup(self, handle: Any, timeout: float) -> bool:
         return bool(self.sm.wait_prefetch_status(handle, timeout))
 
