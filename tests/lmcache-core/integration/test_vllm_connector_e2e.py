@@ -28,12 +28,8 @@ def l1_locks(srv) -> tuple[int, int]:
 
 def assert_no_locks(srv, timeout: float = 5.0) -> None:
     """No lookup lock outlives its request (checked through the server's /status)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        locks = l1_locks(srv)
-        if locks == (0, 0) or time.monotonic() > deadline:
-            break
-        time.sleep(0.1)
+    wait_until(lambda: l1_locks(srv) == (0, 0), timeout)
+    locks = l1_locks(srv)
     assert locks == (0, 0), f"locks left on the server: read/write = {locks}"
 
 
@@ -395,6 +391,7 @@ def test_other_connector_methods(server, engines):
 
 
 def wait_until(cond, timeout: float = 30.0, step=None) -> bool:
+    """Wait (stepping the engine if given) for asynchronous state; a bound, not a speed check."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if cond():

@@ -109,9 +109,8 @@ RUN_CASES = [(f, False) for f in TENSOR_FORMATS] + [(f, True) for f in POINTER_F
 def test_block_runs_all_formats(fmt, pointer, direction, monkeypatch):
     import lmcache.v1.platform.torch_ops._block as block
 
-    name = "_gather_runs" if direction == D2H else "_scatter_runs"
-    real, calls = getattr(block, name), []
-    monkeypatch.setattr(block, name, lambda *a: calls.append(a[2]) or real(*a))
+    real, calls = block._copy_runs, []
+    monkeypatch.setattr(block, "_copy_runs", lambda *a, **k: calls.append(a[2]) or real(*a, **k))
     for ids in RUN_IDS:
         for skip in (0, 3, len(ids)):
             _run(fmt, direction, pointer, skip, ids=ids, bpo=8)

@@ -321,12 +321,8 @@ def _available_memory_bytes() -> int | None:
 
 
 def _fits_in_available_memory(size: int) -> bool:
-    available = _available_memory_bytes()
-    return available is None or size <= available
-
-
-def _warn_if_larger_than_available_memory(size: int) -> None:
-    """The pool commits pages on first use, so too large a size is only a warning."""
+    """Whether the pool fits in the memory available now; warns when it does not (pages
+    are backed as the pool is used, so too large a size is only a warning)."""
     available = _available_memory_bytes()
     if available is not None and size > available:
         logger.warning(
@@ -336,6 +332,8 @@ def _warn_if_larger_than_available_memory(size: int) -> None:
             size / 2**30,
             available / 2**30,
         )
+        return False
+    return True
 
 
 @functools.cache
@@ -477,7 +475,7 @@ class L1Allocator:
             logger.info("L1 hugepages force --no-l1-use-lazy")
             lazy = False
         size = (size + align - 1) // align * align
-        _warn_if_larger_than_available_memory(size)
+        fits = _fits_in_available_memory(size)
         self.align = align
         self.size = size
         self._lock = threading.Lock()
@@ -500,7 +498,7 @@ class L1Allocator:
             )
             self._grower.start()
         self._prefaulter: _Prefaulter | None = None
-        if prefault == "all" and not _fits_in_available_memory(size):
+        if prefault == "all" and not fits:
             logger.warning(
                 "L1 prefault 'all' skipped: the %.2f GiB pool does not fit in the memory "
                 "available now; backing pages %d MiB ahead of use instead",

@@ -84,11 +84,9 @@ class StorageBridge:
             for row in rows
         ]
         spec = self._Spec(key_groups=groups, num_kv_readers=num_kv_readers)
-        # Every key resident in L1: serve the lookup synchronously from L1 (skip_l2), with
-        # no round trip through the prefetch controller's thread. A key evicted right after
-        # this check only shortens the reported hit prefix; it never reports a false hit.
-        skip_l2 = self.l1.contains_all(k for row in rows for k in row)
-        return self.sm.submit_prefetch_task(spec, external_request_id=request_id, skip_l2=skip_l2)
+        # Callers try lookup_l1_now first, which serves every lookup the single L1 alone can
+        # answer; what reaches here needs the L2 path (or spans several L1 managers).
+        return self.sm.submit_prefetch_task(spec, external_request_id=request_id)
 
     def lookup_l1_now(self, rows: list[list[Any]], num_kv_readers: int) -> LookupOutcome | None:
         """The lookup answered synchronously from L1 when nothing else could add to it (one

@@ -15,7 +15,8 @@ whose blocks form a few long runs moves about twice as fast (``lmcache bench ker
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import functools
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -66,7 +67,11 @@ class _Layout:
     width: int  # host row width in elements of ``dtype``
     dtype: torch.dtype
     device: torch.device
-    groups: list[_Group] = field(default_factory=list)
+
+    @functools.cached_property
+    def groups(self) -> list[_Group]:
+        """The planes merged for slice copies; built only when a chunk moves by runs."""
+        return _plane_groups(self.planes)
 
 
 @dataclass
@@ -391,16 +396,7 @@ def _build_layout(paged: Any, fmt: EngineKVFormat, sd: Any) -> _Layout:
     for p in planes:
         if _plane_bs(p) != bs or (p.col is None and _plane_width(p) != width):
             raise ValueError(f"{fmt.name}: paged tensors disagree on block size or row width")
-    return _Layout(
-        planes,
-        kv,
-        nl,
-        bs,
-        width,
-        dtype,
-        planes[0].view.device,
-        _plane_groups(planes),  # type: ignore[arg-type]
-    )
+    return _Layout(planes, kv, nl, bs, width, dtype, planes[0].view.device)  # type: ignore[arg-type]
 
 
 def infer_pointer_dtype(sd: Any, objects: Any) -> torch.dtype:
@@ -540,7 +536,7 @@ def multi_layer_block_kv_transfer(
             runs = None
         if direction == TransferDirection.D2H:
             if runs is not None:
-                _gather_runs(layout, host, runs, t0)
+                _copy_runs(layout, host, runs, t0, d2h=True)
             else:
                 _gather(layout, host, idx, nblk, t0, nt)
         else:
@@ -548,7 +544,7 @@ def multi_layer_block_kv_transfer(
                 host if host.device == layout.device else host.to(layout.device, non_blocking=True)
             )
             if runs is not None:
-                _scatter_runs(layout, src, runs, t0)
+                _copy_runs(layout, src, runs, t0, d2h=False)
             else:
                 _scatter(layout, src, idx, nblk, t0, nt)
 
@@ -623,19 +619,13 @@ def _run_pair(
     return rows.unflatten(1, (n, bs)), blocks
 
 
-def _gather_runs(
-    layout: _Layout, host: torch.Tensor, runs: list[tuple[int, int, int]], t0: int
+def _copy_runs(
+    layout: _Layout, host: torch.Tensor, runs: list[tuple[int, int, int]], t0: int, d2h: bool
 ) -> None:
     for g in layout.groups:
         for a, j, n in runs:
-            dst, src = _run_pair(layout, host, g, a, j, n, t0)
-            dst.copy_(src, non_blocking=True)
-
-
-def _scatter_runs(
-    layout: _Layout, host: torch.Tensor, runs: list[tuple[int, int, int]], t0: int
-) -> None:
-    for g in layout.groups:
-        for a, j, n in runs:
-            dst_rows, blocks = _run_pair(layout, host, g, a, j, n, t0)
-            blocks.copy_(dst_rows)
+            rows, blocks = _run_pair(layout, host, g, a, j, n, t0)
+            if d2h:
+                rows.copy_(blocks, non_blocking=True)
+            else:
+                blocks.copy_(rows)
