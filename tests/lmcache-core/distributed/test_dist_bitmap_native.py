@@ -120,6 +120,25 @@ def test_periodic_event_notifier_signals_registered_notifiers():
     assert PeriodicEventNotifier.get() is None
 
 
+def test_periodic_event_notifier_sleeps_while_idle_and_wakes_on_register():
+    """With nothing registered the timer thread waits for a registration (no idle ticks);
+    a later registration is still signalled, and shutdown ends an idle thread."""
+    PeriodicEventNotifier.shutdown()
+    n = create_event_notifier()
+    p = PeriodicEventNotifier.create(5, True)
+    try:
+        assert not select.select([n.fileno()], [], [], 0.05)[0]  # not registered: no signal
+        p.register_fd(n)
+        assert select.select([n.fileno()], [], [], 2.0)[0]
+        p.unregister_fd(n)
+        n.consume()
+    finally:
+        PeriodicEventNotifier.shutdown()
+        n.close()
+    p._thread.join(timeout=2)
+    assert not p._thread.is_alive()
+
+
 def test_fold_full_prefix_and_gap():
     rows = [bm_from("1111"), bm_from("1111")]
     assert repr(fold(rows, 4, 2, [-1])) == "11111"

@@ -115,9 +115,11 @@ def test_bench_server_verifies_and_reports(bench_srv, tmp_path, mode):
         assert set(m["baselines"]) == {
             "rpc_noop",
             "bare_zmq_req_rep",
+            "bare_zmq_req_rep_two_processes",
             "memcpy_64MiB",
             "memcpy_64MiB_one_thread",
         }
+        assert all(b["p50_ms"] > 0 for b in m["baselines"].values())
 
 
 def test_http_prefetch_and_checksums(lmcache_server, mp):

@@ -8,8 +8,10 @@ compared with what was stored. Reports p50/p99 latency and GB/s per op as JSON
 (``metrics.results`` per size, plus ``cold_store``, ``warm_retrieve``, ``cold_lookup``,
 ``warm_lookup`` summaries of the first size with ``_p50_ms``/``_p99_ms``/``_gbps``).
 
-``--baselines`` adds the RPC ``noop`` round trip, a bare pyzmq REQ/REP round trip and a
-64 MiB copy for comparison (``memcpy_64MiB``: torch ``copy_``, which may use several threads;
+``--baselines`` adds, for comparison, the RPC ``noop`` round trip; two bare pyzmq REQ/REP
+round trips (``bare_zmq_req_rep``: both ends in this process, sharing one ZeroMQ I/O thread;
+``bare_zmq_req_rep_two_processes``: the echo in a process of its own, the topology of the
+RPC); and a 64 MiB copy (``memcpy_64MiB``: torch ``copy_``, which may use several threads;
 ``memcpy_64MiB_one_thread``: one libc ``memcpy``). Accepts LMCache 0.5.6's flags (``--rpc-url --mode
 --transfer-mode --kvcache-shape-spec --num-tokens --start --end --interval --url --format
 --output``).
@@ -267,7 +269,34 @@ def _bench_size(client, ctx, kv, n_tok, chunk, bs, args, P, prog) -> dict[str, A
     }
 
 
+# A REP echo in a process of its own: the same topology as the RPC (client and server are
+# separate processes, each with its own ZeroMQ I/O thread).
+_ECHO_CHILD = """
+import sys, zmq
+rep = zmq.Context.instance().socket(zmq.REP)
+print(rep.bind_to_random_port("tcp://127.0.0.1"), flush=True)
+while True:
+    msg = rep.recv()
+    if msg == b"stop":
+        rep.send(b"")
+        break
+    rep.send(msg)
+"""
+
+
+def _bare_round_trips(req: Any, n: int) -> list[float]:
+    out = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        req.send(b"x")
+        req.recv()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
 def _baselines(client) -> dict[str, Any]:
+    import subprocess
+
     import torch
     import zmq
 
@@ -285,22 +314,34 @@ def _baselines(client) -> dict[str, Any]:
     th.start()
     req = ctx.socket(zmq.REQ)
     req.connect(f"tcp://127.0.0.1:{port}")
-    rtts, zrtts = [], []
-    # Blocks of the two alternate, so a host whose speed drifts weighs on both alike.
-    for _ in range(10):
-        for _ in range(50):
-            t0 = time.perf_counter()
-            client.noop()
-            rtts.append(time.perf_counter() - t0)
-        for _ in range(50):
-            t0 = time.perf_counter()
-            req.send(b"x")
-            req.recv()
-            zrtts.append(time.perf_counter() - t0)
-    stop.set()
-    th.join()
-    req.close(0)
-    rep.close(0)
+    child = subprocess.Popen([sys.executable, "-c", _ECHO_CHILD], stdout=subprocess.PIPE, text=True)
+    req_x = ctx.socket(zmq.REQ)
+    req_x.setsockopt(zmq.RCVTIMEO, 10000)
+    try:
+        assert child.stdout is not None
+        req_x.connect(f"tcp://127.0.0.1:{int(child.stdout.readline())}")
+        rtts, zrtts, xrtts = [], [], []
+        # Blocks of the three alternate, so a host whose speed drifts weighs on all alike.
+        for _ in range(10):
+            for _ in range(50):
+                t0 = time.perf_counter()
+                client.noop()
+                rtts.append(time.perf_counter() - t0)
+            zrtts += _bare_round_trips(req, 50)
+            xrtts += _bare_round_trips(req_x, 50)
+        req_x.send(b"stop")
+        req_x.recv()
+    finally:
+        req_x.close(0)
+        try:
+            child.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+        stop.set()
+        th.join()
+        req.close(0)
+        rep.close(0)
     a = torch.empty(64 << 20, dtype=torch.uint8).fill_(1)
     b = torch.empty_like(a)
     mts, one_thread = [], []
@@ -314,6 +355,7 @@ def _baselines(client) -> dict[str, Any]:
     return {
         "rpc_noop": _stats(rtts, 0),
         "bare_zmq_req_rep": _stats(zrtts, 0),
+        "bare_zmq_req_rep_two_processes": _stats(xrtts, 0),
         "memcpy_64MiB": _stats(mts, 64 << 20),
         "memcpy_64MiB_one_thread": _stats(one_thread, 64 << 20),
     }
