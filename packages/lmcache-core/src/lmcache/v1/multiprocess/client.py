@@ -58,6 +58,15 @@ _FAST_SLICE_S = 0.001
 _OP_FRAMES: dict[Any, bytes] = {
     P.op_wire_value(spec): P.encode(P.op_wire_value(spec)) for spec in P.OPS
 }
+# Op name or legacy id -> (op name, op frame), for the synchronous path of ``MPClient.call``.
+_OP_INFO: dict[Any, tuple[str, bytes]] = {}
+for _spec in P.OPS:
+    _OP_INFO[_spec.name] = (_spec.name, _OP_FRAMES[P.op_wire_value(_spec)])
+    if _spec.legacy_id is not None:
+        _OP_INFO[_spec.legacy_id] = _OP_INFO[_spec.name]
+# A call that owns the socket blocks in ZeroMQ's own receive for at most this long at a time,
+# then sends what other threads queued meanwhile (the socket's RCVTIMEO, in ms).
+_OWNED_SLICE_MS = 1
 
 
 def _with_token_bytes(payload: Any) -> Any:
@@ -65,6 +74,10 @@ def _with_token_bytes(payload: Any) -> Any:
     if isinstance(payload, P.IPCCacheServerKey) and isinstance(payload.token_ids, list):
         return msgspec.structs.replace(payload, token_ids=tokens_to_be_bytes(payload.token_ids))
     return payload
+
+
+class _NotOwned(Exception):
+    """The owned-socket path of ``call`` cannot run (the socket closed meanwhile)."""
 
 
 class LMCacheTimeoutError(TimeoutError):
@@ -163,7 +176,11 @@ class _Poller:
     so caller threads can send and receive directly without a thread handoff
     (``MPClient.call``). A caller that waits for its own reply takes its socket's FD out
     of the epoll set while it does (epoll_ctl is safe from any thread), so a synchronous
-    call never wakes this thread at all.
+    call never wakes this thread at all; the FD goes back into the set only when a request
+    is still pending (``MPClient._return_fd``), so back-to-back calls touch the set once.
+
+    This thread never waits for a socket another thread holds: that holder drains the
+    socket before letting go and hands back queued sends (``MPClient._release_io``).
     """
 
     _instance: _Poller | None = None
@@ -262,6 +279,7 @@ class _Poller:
                     with c._fast_lock:
                         if c._fast_waiters == 0:
                             self.watch(c._fd)
+                            c._fd_watched = True
                     if c._monitor is not None:
                         mfd = c._monitor.getsockopt(zmq.FD)
                         self._monitors[mfd] = c
@@ -270,15 +288,21 @@ class _Poller:
                 c._on_replies(replies)
             while self._outbox:
                 c = self._outbox.popleft()
-                with c._io_lock:
-                    replies = c._flush_and_drain()
-                c._on_replies(replies)
+                if c._io_lock.acquire(blocking=False):
+                    try:
+                        replies = c._flush_and_drain()
+                    finally:
+                        c._io_lock.release()
+                    c._on_replies(replies)
             for fd, _ in events:
                 c = self._clients.get(fd)
                 if c is not None:
-                    with c._io_lock:
-                        replies = c._flush_and_drain()
-                    c._on_replies(replies)
+                    if c._io_lock.acquire(blocking=False):
+                        try:
+                            replies = c._flush_and_drain()
+                        finally:
+                            c._io_lock.release()
+                        c._on_replies(replies)
                 elif fd in self._monitors:
                     self._monitors[fd]._on_monitor_event()
             for c, done in removes:
@@ -327,7 +351,9 @@ class MPClient:
         self._sockets_closed = False
         self._closed = False
         self._fast_lock = threading.Lock()
-        self._fast_waiters = 0  # callers in _wait_fast; while > 0 the poller does not watch
+        # Callers receiving in their own thread; while > 0 the poller does not watch the FD.
+        self._fast_waiters = 0
+        self._fd_watched = False  # whether the poller's epoll set holds _fd (under _fast_lock)
         self._poller = _Poller.acquire()
         self._poller.add(self)
 
@@ -337,6 +363,7 @@ class MPClient:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.CONNECT_TIMEOUT, 5000)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        sock.setsockopt(zmq.RCVTIMEO, _OWNED_SLICE_MS)  # only blocking receives use it
         if self._identity:
             sock.setsockopt(zmq.IDENTITY, self._identity)
         try:
@@ -371,6 +398,7 @@ class MPClient:
     def _close_sockets(self) -> None:
         self._sockets_closed = True
         self._fd = None
+        self._fd_watched = False
         if self._sock is not None:
             try:
                 self._sock.disable_monitor()
@@ -395,12 +423,7 @@ class MPClient:
                 while self._outq:
                     self._fail(self._outq.popleft(), ConnectionError("client is closed"))
             return []  # not open yet: the poller flushes right after opening
-        while self._outq:
-            frames = self._outq.popleft()
-            try:
-                send_frames(sock, frames)
-            except zmq.ZMQError as exc:
-                self._fail(frames, exc)
+        self._flush(sock)
         replies = []
         try:
             # EVENTS also re-arms the edge-triggered FD; cheaper than recv raising EAGAIN
@@ -411,18 +434,56 @@ class MPClient:
                 logger.warning("receive from %s failed: %s", self.url, exc)
         return replies
 
+    def _flush(self, sock: zmq.Socket) -> None:
+        """Send the queued requests (callers hold _io_lock)."""
+        while self._outq:
+            frames = self._outq.popleft()
+            try:
+                send_frames(sock, frames)
+            except zmq.ZMQError as exc:
+                self._fail(frames, exc)
+
     def _on_replies(self, replies: list[list[zmq.Frame]]) -> None:
         for frames in replies:
             self._on_reply(frames)
+
+    def _hold_fd(self) -> None:
+        """This thread receives for itself now: keep the polling thread off the FD."""
+        with self._fast_lock:
+            self._fast_waiters += 1
+            if self._fd_watched and self._fd is not None:
+                self._poller.unwatch(self._fd)
+                self._fd_watched = False
+
+    def _return_fd(self) -> None:
+        """The last receiving caller is done: the polling thread watches the FD again only
+        if a request is still pending (submit() watches it again for the next one)."""
+        with self._fast_lock:
+            self._fast_waiters -= 1
+            if self._fast_waiters == 0 and self._pending:
+                self._watch_fd()
+
+    def _watch_fd(self) -> None:
+        """Put the FD back in the polling thread's set (call with _fast_lock held)."""
+        if not self._fd_watched and self._fd is not None:
+            self._poller.watch(self._fd)
+            self._fd_watched = True
+
+    def _release_io(self) -> None:
+        """Let go of the socket; sends that other threads queued meanwhile go to the polling
+        thread, which does not wait for a held socket."""
+        self._io_lock.release()
+        if self._outq:
+            self._poller.kick(self)
 
     def _wait_fast(self, fut: MPFuture, timeout: float | None) -> None:
         """Wait briefly for ``fut`` by receiving in the calling thread.
 
         Most replies arrive within a millisecond; receiving them here saves the handoff
-        through the polling thread. The first waiter takes the FD out of the polling
-        thread's epoll set and the last one puts it back, so the thread is not woken by a
-        reply a caller is about to read (and replies for other requests that arrive
-        meanwhile are drained here and resolved as usual).
+        through the polling thread. The FD is out of the polling thread's epoll set while
+        callers wait here (``_hold_fd``), so the thread is not woken by a reply a caller is
+        about to read (and replies for other requests that arrive meanwhile are drained here
+        and resolved as usual).
         """
         fd = self._fd
         if fd is None or _FAST_WAIT_S <= 0:
@@ -431,10 +492,7 @@ class MPClient:
         end = time.monotonic() + budget
         p = select.poll()
         p.register(fd, select.POLLIN)
-        with self._fast_lock:
-            self._fast_waiters += 1
-            if self._fast_waiters == 1:
-                self._poller.unwatch(fd)
+        self._hold_fd()
         try:
             # Every holder of _io_lock drains to "no input" before letting go, so a reply
             # that is already here has left the FD readable: polling first is enough.
@@ -444,16 +502,84 @@ class MPClient:
                     return
                 if not p.poll(min(left, _FAST_SLICE_S) * 1000.0):
                     continue
-                with self._io_lock:
+                self._io_lock.acquire()
+                try:
                     if self._fd != fd:
                         return  # closed meanwhile; result() reports it
                     replies = self._flush_and_drain()
+                finally:
+                    self._release_io()
                 self._on_replies(replies)
         finally:
-            with self._fast_lock:
-                self._fast_waiters -= 1
-                if self._fast_waiters == 0 and self._fd == fd:
-                    self._poller.watch(fd)
+            self._return_fd()
+
+    def _call_owning_socket(
+        self,
+        op: str | int,
+        info: tuple[str, bytes],
+        payloads: tuple[Any, ...],
+        timeout: float | None,
+    ) -> Any:
+        """``call`` while this thread holds ``_io_lock`` (it is released here).
+
+        The request goes out from this thread and the reply is received here with a
+        blocking ZeroMQ receive: no poll object, no readiness checks, no other thread
+        woken. The socket is held for at most ``_FAST_WAIT_S``; every ``_OWNED_SLICE_MS``
+        the requests other threads queued meanwhile are sent (in order). Replies to other
+        requests are resolved as usual once the socket is let go. A reply that takes
+        longer is left to ``result()``.
+        """
+        t0 = time.monotonic()
+        try:
+            sock = self._sock
+            if sock is None:  # closed meanwhile: submit() reports it
+                raise _NotOwned
+            name, op_bytes = info
+            uid = next(self._uids)
+            frames = self._request_frames(uid, op_bytes, payloads)
+            fut = MPFuture(self, uid, name)
+            with self._pending_lock:
+                self._pending[uid] = (fut, op_bytes)
+        except _NotOwned:
+            self._release_io()
+            return self.submit(op, *payloads).result(timeout)
+        except BaseException:
+            self._release_io()
+            raise
+        budget = _FAST_WAIT_S if timeout is None else min(_FAST_WAIT_S, max(0.0, timeout))
+        uid_frame = frames[0]
+        self._hold_fd()
+        others: list[list[zmq.Frame]] = []
+        mine = None
+        try:
+            self._outq.append(frames)
+            self._flush(sock)  # the blocking receive below needs no readiness check first
+            end = t0 + budget
+            while mine is None and fut._value is _PENDING:
+                try:
+                    got = recv_frames(sock, block=True)
+                except zmq.Again:
+                    if time.monotonic() >= end:
+                        break
+                    self._flush(sock)  # what other threads queued meanwhile
+                    continue
+                except zmq.ZMQError as exc:
+                    logger.warning("receive from %s failed: %s", self.url, exc)
+                    break
+                if got[0].bytes == uid_frame:
+                    mine = got
+                else:
+                    others.append(got)
+            others += self._flush_and_drain()  # leaves the FD armed for the polling thread
+            if mine is not None:
+                self._on_reply(mine)  # our own future: no callbacks run under the lock
+        finally:
+            self._release_io()
+            self._return_fd()
+        self._on_replies(others)
+        if timeout is not None:
+            timeout = max(0.0, timeout - (time.monotonic() - t0))
+        return fut.result(timeout)
 
     def _on_reply(self, frames: list[zmq.Frame]) -> None:
         if len(frames) not in (2, 3):
@@ -495,6 +621,11 @@ class MPClient:
             self._pending.pop(uid, None)
 
     # -- public API ----------------------------------------------------------
+    def _request_frames(self, uid: int, op_bytes: bytes, payloads: tuple[Any, ...]) -> list[bytes]:
+        if payloads and P.FEATURE_TOKEN_IDS_U32BE in self.features:
+            payloads = tuple(_with_token_bytes(p) for p in payloads)
+        return [P.encode(uid), op_bytes, *(P.encode(p) for p in payloads)]
+
     def submit(self, op: str | int, *payloads: Any) -> MPFuture:
         """Send one request; ``op`` is a name (or a raw int id) and payloads are positional."""
         if self._closed:
@@ -504,11 +635,13 @@ class MPClient:
         uid = next(self._uids)
         op_bytes = _OP_FRAMES.get(wire_op) or P.encode(wire_op)
         fut = MPFuture(self, uid, spec.name if spec else str(op))
-        if P.FEATURE_TOKEN_IDS_U32BE in self.features:
-            payloads = tuple(_with_token_bytes(p) for p in payloads)
-        frames = [P.encode(uid), op_bytes, *(P.encode(p) for p in payloads)]
+        frames = self._request_frames(uid, op_bytes, payloads)
         with self._pending_lock:
             self._pending[uid] = (fut, op_bytes)
+        if not self._fd_watched:  # the polling thread may have to receive this reply
+            with self._fast_lock:
+                if self._fast_waiters == 0:
+                    self._watch_fd()
         # Send from this thread when nobody else holds the socket (no handoff); else queue
         # for the polling thread. Both keep per-client FIFO: the queue is flushed first.
         if self._io_lock.acquire(blocking=False):
@@ -516,7 +649,7 @@ class MPClient:
                 self._outq.append(frames)
                 replies = self._flush_and_drain() if self._sock is not None else None
             finally:
-                self._io_lock.release()
+                self._release_io()
             if replies is not None:
                 self._on_replies(replies)
                 return fut
@@ -526,8 +659,19 @@ class MPClient:
         return fut
 
     def call(self, op: str | int, *payloads: Any, timeout: float | None = -1.0) -> Any:
-        """``submit(...).result(timeout)``; timeout -1 means ``default_timeout``."""
+        """``submit(...).result(timeout)``; timeout -1 means ``default_timeout``.
+
+        When no other thread is using the socket, the request is sent and its reply
+        received in this thread (``_call_owning_socket``)."""
         t = self.default_timeout if timeout == -1.0 else timeout
+        info = None if isinstance(op, bool) else _OP_INFO.get(op)
+        if (
+            info is not None
+            and not self._closed
+            and self._sock is not None
+            and self._io_lock.acquire(blocking=False)
+        ):
+            return self._call_owning_socket(op, info, payloads, t)
         return self.submit(op, *payloads).result(t)
 
     def pending_count(self) -> int:

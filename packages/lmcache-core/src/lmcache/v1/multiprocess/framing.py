@@ -35,9 +35,10 @@ def send_frames(sock: zmq.Socket, frames: list[Any]) -> None:
         _send(sock, frame, _SNDMORE if i < last else 0, len(frame) < ZERO_COPY_MIN, False)
 
 
-def recv_frames(sock: zmq.Socket) -> list[zmq.Frame]:
-    """Receives one whole multipart message without blocking (raises ``zmq.Again`` if none)."""
-    frames = [_recv(sock, _NOBLOCK, False, False)]
+def recv_frames(sock: zmq.Socket, block: bool = False) -> list[zmq.Frame]:
+    """Receives one whole multipart message; raises ``zmq.Again`` if none is there (or, with
+    ``block``, if none came within the socket's ``RCVTIMEO``)."""
+    frames = [_recv(sock, 0 if block else _NOBLOCK, False, False)]
     while frames[-1].more:
         frames.append(_recv(sock, 0, False, False))
     return frames

@@ -3,8 +3,10 @@
 spec/protocol.md 1.2 and 2:
 
 * The loop thread (``mq-server-thread``) is the only thread touching the ROUTER. It
-  polls the socket and a wake-up notifier, decodes and dispatches every request and
-  sends every reply (pool threads queue replies and signal the notifier).
+  blocks in ZeroMQ's own receive, decodes and dispatches every request and sends every
+  reply. Pool threads queue their replies and wake it with an empty message through an
+  in-process DEALER connected to the same ROUTER, so one blocking receive waits for both
+  (no epoll pass and no readiness checks per request).
 * SYNC ops run inline; AFFINITY ops run FIFO on the slot of their peer identity
   (``--max-gpu-workers`` slots, assigned round-robin on first sight); NORMAL ops run on
   the ``--max-cpu-workers`` pool. ``wait_prefetch_status`` parks without a thread.
@@ -19,7 +21,6 @@ from __future__ import annotations
 
 import collections
 import itertools
-import select
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -31,15 +32,20 @@ import zmq
 from lmcache.utils import init_logger
 from lmcache.v1.multiprocess import protocol as P
 from lmcache.v1.multiprocess.engine import CacheEngine, RequestContext
-from lmcache.v1.multiprocess.framing import has_input, recv_frames, send_frames
+from lmcache.v1.multiprocess.framing import recv_frames, send_frames
 from lmcache.v1.multiprocess.protocol import ErrorCode, HandlerKind, RequestError
-from lmcache.v1.platform.event_notifier import create_event_notifier
 
 logger = init_logger(__name__)
 
 
 # Requests up to this size may be decoded on the loop thread to see whether they run inline.
 _INLINE_MAX_PAYLOAD = 65536
+# Routing id of the in-process waker (peers cannot take it: it connects before the RPC
+# port is bound, and a ROUTER keeps the first peer of an id).
+_WAKE_ID = b"lmcache-server-loop-wake"
+# The loop's receive timeout: how often it looks at the stop flag when nothing arrives.
+_LOOP_RCVTIMEO_MS = 500
+_NO_FEATURES: frozenset[str] = frozenset()
 
 
 class MPCacheServer:
@@ -49,7 +55,9 @@ class MPCacheServer:
         self.metrics = engine.metrics
         self._ctx = zmq.Context.instance()
         self._sock: zmq.Socket | None = None
-        self._notifier = create_event_notifier()
+        self._waker: zmq.Socket | None = None
+        self._waker_lock = threading.Lock()
+        self._wake_pending = False
         self._outbox: collections.deque = collections.deque()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -77,6 +85,13 @@ class MPCacheServer:
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVTIMEO, _LOOP_RCVTIMEO_MS)
+        wake_addr = f"inproc://lmcache-server-wake-{id(self):x}"
+        sock.bind(wake_addr)
+        waker = self._ctx.socket(zmq.DEALER)
+        waker.setsockopt(zmq.LINGER, 0)
+        waker.setsockopt(zmq.IDENTITY, _WAKE_ID)
+        waker.connect(wake_addr)
         host = self.config.host
         bind_host = "127.0.0.1" if host == "localhost" else host
         addr = f"tcp://{bind_host}:{self.config.port}"
@@ -84,6 +99,7 @@ class MPCacheServer:
             sock.bind(addr)
         except zmq.ZMQError as exc:
             sock.close(linger=0)
+            waker.close(linger=0)
             if exc.errno == zmq.EADDRINUSE:
                 fix = "pick another --port or stop the process using it"
             else:
@@ -92,6 +108,7 @@ class MPCacheServer:
                 )
             raise OSError(f"cannot bind the RPC socket to {addr}: {exc}; {fix}") from exc
         self._sock = sock
+        self._waker = waker
         self.endpoint = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
         self._thread = threading.Thread(target=self._loop, name="mq-server-thread", daemon=True)
         self._thread.start()
@@ -100,62 +117,43 @@ class MPCacheServer:
     def stop(self) -> None:
         self.accepting = False
         self._stop.set()
-        self._notifier.notify()
+        self._wake()
         if self._thread is not None:
             self._thread.join(timeout=5)
         for ex in [*self._affinity, self._normal]:
             ex.shutdown(wait=False, cancel_futures=True)
+        with self._waker_lock:
+            if self._waker is not None:
+                self._waker.close(linger=0)
+                self._waker = None
         if self._sock is not None:
             self._sock.close(linger=0)
             self._sock = None
-        self._notifier.close()
 
     # ------------------------------------------------------------------ loop
     def _loop(self) -> None:
         assert self._sock is not None
         sock = self._sock
         self._loop_ident = threading.get_ident()
-        # epoll over the ROUTER's zmq.FD and the notifier (zmq.Poller costs ~10 us a pass in
-        # Python-level event conversion). zmq.FD only signals again after the socket was
-        # drained to "no input", so every pass drains, and a pass that stops at the batch
-        # bound polls without blocking.
-        ep = select.epoll()
-        ep.register(sock.getsockopt(zmq.FD), select.EPOLLIN)
-        notifier_fd = self._notifier.fileno()
-        ep.register(notifier_fd, select.EPOLLIN)
-        backlog = True  # drain once before the first wait
-        try:
-            while not self._stop.is_set():
-                try:
-                    events = ep.poll(0 if backlog else 0.5)
-                except InterruptedError:
-                    continue
-                for fd, _ in events:
-                    if fd == notifier_fd:
-                        self._notifier.consume()
-                self._flush(sock)
-                backlog = False
-                for _ in range(256):  # bounded batch, then flush replies again
-                    # EVENTS instead of recv raising EAGAIN: no exception per request
-                    if not has_input(sock):
-                        break
-                    try:
-                        frames = recv_frames(sock)
-                    except zmq.Again:
-                        break
-                    try:
-                        self._dispatch(frames)
-                    except Exception:  # never let one request stop the loop
-                        logger.exception("Error handling operation")
-                else:
-                    backlog = True
-                self._flush(sock)
-                # A send may consume the FD's signal for input that arrived meanwhile
-                # (zmq.FD semantics): look once more before blocking in epoll.
-                backlog = backlog or has_input(sock)
+        while not self._stop.is_set():
             self._flush(sock)
-        finally:
-            ep.close()
+            try:
+                frames = recv_frames(sock, block=True)
+            except zmq.Again:  # the receive timeout: look at the stop flag
+                continue
+            except zmq.ZMQError as exc:
+                if self._stop.is_set():
+                    break
+                logger.error("RPC receive failed: %s", exc)
+                continue
+            if len(frames) == 2 and frames[0].bytes == _WAKE_ID:
+                self._wake_pending = False  # cleared before the flush above sends the replies
+                continue
+            try:
+                self._dispatch(frames)
+            except Exception:  # never let one request stop the loop
+                logger.exception("Error handling operation")
+        self._flush(sock)
 
     def _flush(self, sock: zmq.Socket) -> None:
         while self._outbox:
@@ -170,10 +168,19 @@ class MPCacheServer:
 
     def _post(self, frames: list[Any]) -> None:
         self._outbox.append(frames)
-        # The loop flushes after every dispatch batch; only other threads must wake it
-        # (saves two syscalls and a loop pass per SYNC op).
-        if threading.get_ident() != self._loop_ident:
-            self._notifier.notify()
+        # The loop flushes before every receive; only other threads must wake it, and one
+        # wake-up in flight is enough (the loop clears the flag before it flushes).
+        if threading.get_ident() != self._loop_ident and not self._wake_pending:
+            self._wake()
+
+    def _wake(self) -> None:
+        self._wake_pending = True
+        with self._waker_lock:
+            if self._waker is not None:
+                try:
+                    send_frames(self._waker, [b""])
+                except zmq.ZMQError as exc:
+                    logger.error("cannot wake the RPC loop: %s", exc)
 
     # ------------------------------------------------------------------ dispatch
     def _dispatch(self, frames: list[zmq.Frame]) -> None:
@@ -185,7 +192,7 @@ class MPCacheServer:
             )
             return
         uid_b, op_b = frames[1].bytes, frames[2].bytes
-        features = self._features.get(peer, frozenset())
+        features = self._features.get(peer, _NO_FEATURES)
 
         def reply(value: Any) -> None:
             self._reply(peer, uid_b, op_b, value, features)
