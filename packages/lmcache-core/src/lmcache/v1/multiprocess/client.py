@@ -570,9 +570,14 @@ class MPClient:
                     mine = got
                 else:
                     others.append(got)
-            others += self._flush_and_drain()  # leaves the FD armed for the polling thread
             if mine is not None:
                 self._on_reply(mine)  # our own future: no callbacks run under the lock
+            self._flush(sock)
+            if self._pending:
+                # Someone may wait through the FD (the polling thread or _wait_fast): drain
+                # to "no input" so it signals the next reply. Otherwise the next sender
+                # drains after sending, as every sender does.
+                others += self._flush_and_drain()
         finally:
             self._release_io()
             self._return_fd()
