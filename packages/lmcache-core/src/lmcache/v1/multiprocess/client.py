@@ -287,22 +287,11 @@ class _Poller:
                     replies = c._flush_and_drain()
                 c._on_replies(replies)
             while self._outbox:
-                c = self._outbox.popleft()
-                if c._io_lock.acquire(blocking=False):
-                    try:
-                        replies = c._flush_and_drain()
-                    finally:
-                        c._io_lock.release()
-                    c._on_replies(replies)
+                self._outbox.popleft()._serve_if_free()
             for fd, _ in events:
                 c = self._clients.get(fd)
                 if c is not None:
-                    if c._io_lock.acquire(blocking=False):
-                        try:
-                            replies = c._flush_and_drain()
-                        finally:
-                            c._io_lock.release()
-                        c._on_replies(replies)
+                    c._serve_if_free()
                 elif fd in self._monitors:
                     self._monitors[fd]._on_monitor_event()
             for c, done in removes:
@@ -433,6 +422,17 @@ class MPClient:
             if exc.errno != zmq.EAGAIN:
                 logger.warning("receive from %s failed: %s", self.url, exc)
         return replies
+
+    def _serve_if_free(self) -> None:
+        """The polling thread's turn: send and receive unless another thread holds the
+        socket (that holder drains it and hands back queued sends when it lets go)."""
+        if not self._io_lock.acquire(blocking=False):
+            return
+        try:
+            replies = self._flush_and_drain()
+        finally:
+            self._io_lock.release()
+        self._on_replies(replies)
 
     def _flush(self, sock: zmq.Socket) -> None:
         """Send the queued requests (callers hold _io_lock)."""
