@@ -456,9 +456,12 @@ def test_lookup_timeout_reports_a_miss_and_frees_late_locks(lmcache_server, engi
     store_prompt(engines, prompt, port=srv.port)
     extra = {"lmcache.mp.lookup_timeout": "1", "lmcache.mp.heartbeat_interval": "120"}
     e = engines(port=srv.port, extra=extra)
-    e.add_request("late", prompt)
-    os.kill(srv.proc.pid, signal.SIGSTOP)  # a stalled server
+    # Stalled before the request arrives: its lookup (sent at once with eager prefetch)
+    # must not be answered, or the ack could beat the stop and the status query would
+    # rightly follow it.
+    os.kill(srv.proc.pid, signal.SIGSTOP)
     try:
+        e.add_request("late", prompt)
         assert wait_until(
             lambda: e.match_results.get("late", [(None, True)])[-1][0] is not None, step=e.step
         )
