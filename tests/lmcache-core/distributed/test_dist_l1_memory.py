@@ -281,6 +281,26 @@ def test_prefault_all_backs_the_whole_pool_without_touching_data():
         a.close()
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs Linux /proc")
+def test_prefault_thread_runs_at_the_lowest_cpu_priority():
+    """Backing the pool takes CPU time that transfers leave idle (nice 19), so the first
+    stores on a host with few cores are not slowed down by it."""
+    import threading
+
+    a = L1Allocator(8 << 20, 4096, shm_name=f"t_prefault_nice_{os.getpid()}")
+    try:
+        t = next(t for t in threading.enumerate() if t.name == "l1-prefault")
+        stat = f"/proc/self/task/{t.native_id}/stat"
+
+        def nice() -> int:
+            return int(open(stat).read().rsplit(")", 1)[1].split()[16])
+
+        assert _wait(lambda: nice() == 19)
+        assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) != 19  # only it
+    finally:
+        a.close()
+
+
 def test_prefault_all_falls_back_to_ahead_when_the_pool_does_not_fit(monkeypatch, caplog):
     mib = 1 << 20
     monkeypatch.setattr(l1_memory, "_available_memory_bytes", lambda: 32 * mib)

@@ -357,6 +357,17 @@ def populate_read(ptr: int, length: int) -> None:
     _populate(ptr, length, _MADV_POPULATE_READ, "MADV_POPULATE_READ")
 
 
+def lower_thread_priority() -> None:
+    """Give the calling thread the lowest CPU priority (nice 19; Linux only, where the nice
+    value is per thread). Page-filling threads call it: backing or mapping a pool ahead of use
+    should take CPU time that transfers leave idle, not slow the first transfers down on a
+    host with few cores. The kernel work of their madvise calls is charged to them too."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):
+        pass  # not Linux, or not allowed: run at normal priority
+
+
 def is_resident(ptr: int, length: int) -> bool:
     """Whether every page of [ptr, ptr + length) is in memory (``mincore``), without faulting
     any in. For a shared mapping this tells whether its owner has backed those pages."""
@@ -413,6 +424,7 @@ class _Prefaulter:
         return self._faulted
 
     def _run(self) -> None:
+        lower_thread_priority()
         t0 = time.monotonic()
         while True:
             self._wake.wait()

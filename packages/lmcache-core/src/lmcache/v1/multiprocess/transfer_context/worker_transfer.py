@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from lmcache.utils import init_logger
-from lmcache.v1.distributed.l1_memory import is_resident, populate_read
+from lmcache.v1.distributed.l1_memory import is_resident, lower_thread_priority, populate_read
 from lmcache.v1.multiprocess import payload_codec as codec
 from lmcache.v1.multiprocess import protocol as P
 from lmcache.v1.multiprocess.client import MPClient, MPFuture
@@ -203,6 +203,7 @@ class EngineDrivenTransferContext(_BaseContext):
         keep its memory use growing with L1) and are mapped on first use. Passes repeat every
         0.5 s while the server is still backing its pool (and for a few passes before it
         starts, as when a worker registers right after the server started)."""
+        lower_thread_priority()
         base, size = flat.data_ptr(), flat.numel()
         regions = -(-size // _MAP_REGION)
         idle_passes = 0
