@@ -58,15 +58,16 @@ _FAST_SLICE_S = 0.001
 _OP_FRAMES: dict[Any, bytes] = {
     P.op_wire_value(spec): P.encode(P.op_wire_value(spec)) for spec in P.OPS
 }
-# Op name or legacy id -> (op name, op frame), for the synchronous path of ``MPClient.call``.
-_OP_INFO: dict[Any, tuple[str, bytes]] = {}
-for _spec in P.OPS:
-    _OP_INFO[_spec.name] = (_spec.name, _OP_FRAMES[P.op_wire_value(_spec)])
-    if _spec.legacy_id is not None:
-        _OP_INFO[_spec.legacy_id] = _OP_INFO[_spec.name]
 # A call that owns the socket blocks in ZeroMQ's own receive for at most this long at a time,
 # then sends what other threads queued meanwhile (the socket's RCVTIMEO, in ms).
 _OWNED_SLICE_MS = 1
+
+
+def _op_info(op: str | int) -> tuple[str, bytes]:
+    """(name, op frame) of an op given by name or legacy id; an unknown op is sent as given."""
+    spec = P.lookup_op(op)
+    wire_op = P.op_wire_value(spec) if spec is not None else op
+    return (spec.name if spec else str(op)), (_OP_FRAMES.get(wire_op) or P.encode(wire_op))
 
 
 def _with_token_bytes(payload: Any) -> Any:
@@ -74,10 +75,6 @@ def _with_token_bytes(payload: Any) -> Any:
     if isinstance(payload, P.IPCCacheServerKey) and isinstance(payload.token_ids, list):
         return msgspec.structs.replace(payload, token_ids=tokens_to_be_bytes(payload.token_ids))
     return payload
-
-
-class _NotOwned(Exception):
-    """The owned-socket path of ``call`` cannot run (the socket closed meanwhile)."""
 
 
 class LMCacheTimeoutError(TimeoutError):
@@ -516,7 +513,6 @@ class MPClient:
     def _call_owning_socket(
         self,
         op: str | int,
-        info: tuple[str, bytes],
         payloads: tuple[Any, ...],
         timeout: float | None,
     ) -> Any:
@@ -530,19 +526,17 @@ class MPClient:
         longer is left to ``result()``.
         """
         t0 = time.monotonic()
+        sock = self._sock
+        if sock is None:  # not open yet, or closed meanwhile: the usual path reports it
+            self._release_io()
+            return self.submit(op, *payloads).result(timeout)
         try:
-            sock = self._sock
-            if sock is None:  # closed meanwhile: submit() reports it
-                raise _NotOwned
-            name, op_bytes = info
+            name, op_bytes = _op_info(op)
             uid = next(self._uids)
             frames = self._request_frames(uid, op_bytes, payloads)
             fut = MPFuture(self, uid, name)
             with self._pending_lock:
                 self._pending[uid] = (fut, op_bytes)
-        except _NotOwned:
-            self._release_io()
-            return self.submit(op, *payloads).result(timeout)
         except BaseException:
             self._release_io()
             raise
@@ -635,11 +629,9 @@ class MPClient:
         """Send one request; ``op`` is a name (or a raw int id) and payloads are positional."""
         if self._closed:
             raise ConnectionError(f"MPClient for {self.url} is closed")
-        spec = P.lookup_op(op)
-        wire_op = P.op_wire_value(spec) if spec is not None else op
+        name, op_bytes = _op_info(op)
         uid = next(self._uids)
-        op_bytes = _OP_FRAMES.get(wire_op) or P.encode(wire_op)
-        fut = MPFuture(self, uid, spec.name if spec else str(op))
+        fut = MPFuture(self, uid, name)
         frames = self._request_frames(uid, op_bytes, payloads)
         with self._pending_lock:
             self._pending[uid] = (fut, op_bytes)
@@ -669,14 +661,8 @@ class MPClient:
         When no other thread is using the socket, the request is sent and its reply
         received in this thread (``_call_owning_socket``)."""
         t = self.default_timeout if timeout == -1.0 else timeout
-        info = None if isinstance(op, bool) else _OP_INFO.get(op)
-        if (
-            info is not None
-            and not self._closed
-            and self._sock is not None
-            and self._io_lock.acquire(blocking=False)
-        ):
-            return self._call_owning_socket(op, info, payloads, t)
+        if not self._closed and self._io_lock.acquire(blocking=False):
+            return self._call_owning_socket(op, payloads, t)
         return self.submit(op, *payloads).result(t)
 
     def pending_count(self) -> int:

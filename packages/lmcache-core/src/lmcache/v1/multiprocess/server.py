@@ -147,7 +147,7 @@ class MPCacheServer:
                 logger.error("RPC receive failed: %s", exc)
                 continue
             if len(frames) == 2 and frames[0].bytes == _WAKE_ID:
-                self._wake_pending = False  # cleared before the flush above sends the replies
+                self._wake_pending = False  # before the flush at the top of the loop sends them
                 continue
             try:
                 self._dispatch(frames)

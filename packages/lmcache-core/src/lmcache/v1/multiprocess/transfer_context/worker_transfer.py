@@ -40,7 +40,7 @@ _MAP_IDLE_PASSES = 4  # background mapping stops after this many passes that fou
 # Mapped before registration returns (where the server has backed it): a fresh server hands
 # out low offsets first, so the first requests after a start find their slots mapped (a
 # 64 MiB slot costs 2-9 ms to map on the copy path). About 0.1-0.2 s of registration.
-_MAP_AT_ATTACH = 1 << 30
+_MAP_AT_ATTACH_REGIONS = (1 << 30) // _MAP_REGION
 
 
 def _as_list(kv_caches: Any) -> list[torch.Tensor]:
@@ -185,7 +185,7 @@ class EngineDrivenTransferContext(_BaseContext):
         self._populate_ok = True
         self._mapper_stop = threading.Event()
         flat = self._shm_flat
-        if self._map_pass(flat, self._mapper_stop, limit=_MAP_AT_ATTACH) is None:
+        if self._map_pass(flat, self._mapper_stop, max_regions=_MAP_AT_ATTACH_REGIONS) is None:
             return  # this kernel cannot map ahead: slots are mapped on first use
         self._mapper = threading.Thread(
             target=self._map_backed_regions,
@@ -223,15 +223,14 @@ class EngineDrivenTransferContext(_BaseContext):
             stop.wait(0.5)
 
     def _map_pass(
-        self, flat: torch.Tensor, stop: threading.Event, limit: int | None = None
+        self, flat: torch.Tensor, stop: threading.Event, max_regions: int | None = None
     ) -> int | None:
-        """One pass front to back over the pool mapping the backed regions not mapped yet, at
-        most ``limit`` bytes of them; the number mapped, or None when mapping is not possible."""
+        """One pass front to back over the pool mapping the backed regions not mapped yet (at
+        most ``max_regions`` of them); the number mapped, or None when mapping is not possible."""
         base, size = flat.data_ptr(), flat.numel()
-        budget = -(-limit // _MAP_REGION) if limit is not None else None
         mapped_now = 0
         for r in range(-(-size // _MAP_REGION)):
-            if stop.is_set() or (budget is not None and mapped_now >= budget):
+            if stop.is_set() or (max_regions is not None and mapped_now >= max_regions):
                 break
             if r in self._mapped_regions:
                 continue
