@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from functools import partial
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ import torch
 from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey
 from lmcache.v1.distributed.config import EvictionConfig, L1ManagerConfig, L1MemoryManagerConfig
 from lmcache.v1.distributed.eviction import L1EvictionController
-from lmcache.v1.distributed.internal_api import L1Error, L1ManagerListener
+from lmcache.v1.distributed.internal_api import L1Error, L1ManagerInterface, L1ManagerListener
 from lmcache.v1.distributed.l1_manager import L1Manager
 
 LAYOUT = MemoryLayoutDesc([torch.Size([1024])], [torch.float32])  # 4 KiB objects
@@ -91,6 +92,30 @@ def test_read_locks_and_unsafe_read(l1):
     assert l1.finish_read([k])[k] is L1Error.KEY_IN_WRONG_STATE
     assert l1.delete([k])[k] is S
     assert l1.delete([k])[k] is L1Error.KEY_NOT_EXIST
+
+
+@pytest.mark.parametrize("one_pass", [True, False], ids=["manager", "interface_default"])
+def test_reserve_read_prefix_locks_and_touches_only_the_common_prefix(l1, one_pass):
+    rows = [[key(c) for c in range(4)], [key(10 + c) for c in range(4)]]
+    write(l1, rows[0] + [rows[1][0], rows[1][1], rows[1][3]])  # rank 1 lacks chunk 2
+    rec = Recorder()
+    l1.register_listener(rec)
+    reserve = (
+        l1.reserve_read_prefix if one_pass else partial(L1ManagerInterface.reserve_read_prefix, l1)
+    )
+    assert reserve(rows, 2) == 2
+    prefix = [rows[0][0], rows[0][1], rows[1][0], rows[1][1]]
+    touched = [keys for name, keys in rec.events if name == "on_l1_keys_accessed"]
+    assert touched == [prefix]
+    assert not any(l1.is_read_locked(k) for k in (rows[0][2], rows[0][3], rows[1][3]))
+    assert all(l1.finish_read([k])[k] is S for k in prefix)
+    assert all(l1.is_read_locked(k) for k in prefix)  # locked twice
+    l1.finish_read(prefix)
+    assert not any(l1.is_read_locked(k) for k in prefix)
+    # measuring only (NO_LOCK prefetches): the same prefix, nothing stays locked
+    assert l1.reserve_read_prefix(rows, 1, keep_locks=False) == 2
+    assert not any(l1.is_read_locked(k) for row in rows for k in row if l1.contains(k))
+    assert l1.reserve_read_prefix([[key(99)]], 1) == 0 and l1.reserve_read_prefix([], 1) == 0
 
 
 def test_read_locks_clamped_to_128(l1):

@@ -186,3 +186,47 @@ def test_no_module_unpickles_peer_bytes():
             if bad.search(line) and "_RestrictedUnpickler" not in line:
                 offenders.append(f"{path.name}: {line.strip()}")
     assert offenders == []
+
+
+def test_unlabelled_counters_reach_every_reader_and_reset_drops_them():
+    from lmcache.v1.multiprocess.metrics import ServerMetrics
+
+    m = ServerMetrics("unit")
+    for _ in range(3):
+        m.inc("lmcache_mp_lookups_requests")
+    m.inc("lmcache_mp_lookup_hit_tokens", 512)
+    m.inc("lmcache_mp_request_errors", op="lookup", code="BAD_REQUEST")
+    text = m.render().decode()
+    assert "lmcache_mp_lookups_requests_total 3.0" in text
+    assert "lmcache_mp_lookup_hit_tokens_total 512.0" in text
+    m.inc("lmcache_mp_lookups_requests")
+    assert m.value("lmcache_mp_lookups_requests") == 4
+    assert m.value("lmcache_mp_request_errors", op="lookup", code="BAD_REQUEST") == 1
+    with pytest.raises(ValueError, match="can only grow"):
+        m.inc("lmcache_mp_lookups_requests", -1)
+    with pytest.raises(KeyError):
+        m.inc("lmcache_mp_no_such_counter")
+    m.inc("lmcache_mp_lookups_requests")  # not yet read when the reset comes
+    m.reset()
+    assert m.value("lmcache_mp_lookups_requests") == 0
+    assert "lmcache_mp_lookups_requests_total 0.0" in m.render().decode()
+
+
+def test_token_bytes_memo_never_serves_a_changed_list():
+    from lmcache.v1.multiprocess.client import _TokenBytesMemo
+    from lmcache.v1.multiprocess.token_hasher import tokens_to_be_bytes
+
+    memo = _TokenBytesMemo()
+    tokens = list(range(70000, 74096))
+    assert memo.to_bytes(tokens) == tokens_to_be_bytes(tokens)
+    assert memo.to_bytes(list(tokens)) == tokens_to_be_bytes(tokens)  # an equal list hits
+    tokens[100] = 5  # changed in place: same length, same last token
+    assert memo.to_bytes(tokens) == tokens_to_be_bytes(tokens)
+    tokens.append(9)
+    assert memo.to_bytes(tokens) == tokens_to_be_bytes(tokens)
+    for i in range(_TokenBytesMemo.SIZE + 2):  # older entries fall out; answers stay right
+        other = [i] * 10
+        assert memo.to_bytes(other) == tokens_to_be_bytes(other)
+    assert memo.to_bytes([]) == b""
+    with pytest.raises(ValueError, match="uint32"):
+        memo.to_bytes([1, -2])

@@ -167,6 +167,31 @@ class L1ManagerInterface(abc.ABC):
     @abc.abstractmethod
     def touch_keys(self, keys: list[ObjectKey]) -> None: ...
 
+    def reserve_read_prefix(
+        self, rows: list[list[ObjectKey]], read_locks: int = 1, keep_locks: bool = True
+    ) -> int:
+        """The longest chunk prefix that every row of keys has readable (the prefix policy).
+
+        Its keys stay read-locked ``read_locks`` times when ``keep_locks`` and are touched
+        for eviction; every other key the check locked is released at once. Managers may
+        do this in one pass; this version composes the batch calls.
+        """
+        cols = len(rows[0]) if rows else 0
+        flat = [k for row in rows for k in row]
+        res = self.reserve_read(flat, read_locks)
+        ok = [k in res and res[k][0] is L1Error.SUCCESS for k in flat]
+        hit = cols
+        for r in range(len(rows)):
+            row_ok = ok[r * cols : (r + 1) * cols]
+            hit = min(hit, row_ok.index(False) if False in row_ok else cols)
+        keep = hit if keep_locks else 0
+        release = [k for i, k in enumerate(flat) if ok[i] and i % cols >= keep]
+        if release:
+            self.finish_read(release, read_locks)
+        if hit:
+            self.touch_keys([k for i, k in enumerate(flat) if i % cols < hit])
+        return hit
+
     @abc.abstractmethod
     def get_memory_usage(self) -> tuple[int, int]: ...
 

@@ -341,6 +341,36 @@ class L1Manager(L1ManagerInterface):
             self._fire("on_l1_keys_reserved_read", locked)
         return out
 
+    def reserve_read_prefix(
+        self, rows: list[list[ObjectKey]], read_locks: int = 1, keep_locks: bool = True
+    ) -> int:
+        """One pass under the lock when the locks are kept: keys past the prefix are never
+        locked, and the prefix is locked and touched together (a lookup's hot path)."""
+        if not keep_locks:
+            return super().reserve_read_prefix(rows, read_locks, keep_locks)
+        n = max(1, min(MAX_READ_LOCKS, int(read_locks)))
+        hit = len(rows[0]) if rows else 0
+        with self._mu:
+            resident = self._resident
+            found: list[list[_Resident]] = []
+            for row in rows:
+                entries = []
+                for key in row[:hit]:
+                    entry = resident.get(key)
+                    if entry is None:
+                        break
+                    entries.append(entry)
+                hit = len(entries)
+                found.append(entries)
+            locked: list[ObjectKey] = []
+            for row, entries in zip(rows, found, strict=True):
+                for entry in entries[:hit]:
+                    entry.read_lock.lock(n)
+                locked += row[:hit]
+            self._fire("on_l1_keys_reserved_read", locked)
+            self._fire("on_l1_keys_accessed", locked)
+        return hit
+
     def unsafe_read(self, keys: list[ObjectKey]) -> dict[ObjectKey, L1OperationResult]:
         out: dict[ObjectKey, L1OperationResult] = {}
         with self._mu:

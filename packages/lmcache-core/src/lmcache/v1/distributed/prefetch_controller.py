@@ -159,7 +159,7 @@ class PrefetchController:
         ):
             return None
         self.stats["requests"] += 1
-        return read_l1_prefix(l1, rows, readers)
+        return l1.reserve_read_prefix(rows, readers)
 
     def query(self, handle: PrefetchHandle) -> PrefetchResult | None:
         """The result once; None while running (and after it was returned)."""
@@ -421,9 +421,6 @@ def _all_miss(spec: PrefetchTaskSpec) -> PrefetchResult:
         [Bitmap(n) for _ in range(rows)] if spec.fetching_policy == "full" else None,
         [[-1] * n for _ in range(rows)],
     )
-
-
-_MISS = (L1Error.KEY_NOT_EXIST, None)
 
 
 class _RequestRun:
@@ -707,7 +704,7 @@ class _RequestRun:
 
     def _execute_l1_only(self) -> PrefetchResult:
         keep_locks = self.spec.lock_mode is not LockMode.NO_LOCK
-        hit = read_l1_prefix(self.ctl.l1s[0], self.keys, self.readers, keep_locks)
+        hit = self.ctl.l1s[0].reserve_read_prefix(self.keys, self.readers, keep_locks)
         hits = [Bitmap(self.cols, hit) for _ in range(self.rows)]
         return PrefetchResult(
             hits,
@@ -767,29 +764,3 @@ class _RequestRun:
         for idx, cells in self.l2_found.items():
             self._unlock_l2(idx, cells)
         self.l2_found.clear()
-
-
-def read_l1_prefix(
-    l1: Any, rows: list[list[ObjectKey]], readers: int, keep_locks: bool = True
-) -> int:
-    """The longest chunk prefix that every row of keys has in ``l1`` (the prefix policy).
-
-    Its cells stay read-locked ``readers`` times when ``keep_locks`` and are touched for
-    eviction; every other cell the check locked is released at once. The L1-only prefetch
-    and the MP server's direct lookup (``StorageBridge.lookup_l1_now``) both use it.
-    """
-    cols = len(rows[0]) if rows else 0
-    flat = [k for row in rows for k in row]
-    res = l1.reserve_read(flat, readers)
-    ok = [res.get(k, _MISS)[0] is L1Error.SUCCESS for k in flat]
-    hit = cols
-    for r in range(len(rows)):
-        row_ok = ok[r * cols : (r + 1) * cols]
-        hit = min(hit, row_ok.index(False) if False in row_ok else cols)
-    keep = hit if keep_locks else 0
-    release = [k for i, k in enumerate(flat) if ok[i] and i % cols >= keep]
-    if release:
-        l1.finish_read(release, readers)
-    if hit:
-        l1.touch_keys([k for i, k in enumerate(flat) if i % cols < hit])
-    return hit

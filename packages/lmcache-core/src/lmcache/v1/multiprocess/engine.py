@@ -532,7 +532,7 @@ class CacheEngine:
             session.key_info = (key.model_name, key.world_size, key.cache_salt)
         if old is not None:
             old.superseded = True
-            if old.done.is_set():
+            if old.is_done:
                 self._release_job_locks(old, session)
         lkey = (key.model_name, key.world_size)
         lay = self.layouts.get(lkey)
@@ -629,7 +629,7 @@ class CacheEngine:
             job = session.job
             if job is None or job.consumed:
                 return 0
-            if not job.done.is_set():
+            if not job.is_done:
                 return None
             job.consumed = True
             session.job = None
@@ -643,7 +643,7 @@ class CacheEngine:
         if session is None or session.job is None:
             return 0
         job = session.job
-        if job.done.is_set():
+        if job.is_done:
             return self._consume(session)
         ctx.defer()
 
@@ -677,7 +677,7 @@ class CacheEngine:
         first, last = key.start // self.cs, key.end // self.cs
         with session.lock:
             job = session.job
-            if job is not None and not job.done.is_set():
+            if job is not None and not job.is_done:
                 job.deferred_frees.append((first, last))  # applied when the job ends
                 return None
         self._free_range(session, first, last)
@@ -726,7 +726,7 @@ class CacheEngine:
             job = session.job
             inflight = session.inflight_retrieves
             info, hashes = session.key_info, list(session.hashes)
-        if job is not None and not job.done.is_set():
+        if job is not None and not job.is_done:
             job.superseded = True
         if info is not None and hashes:  # refresh the LRU position of every key of the request
             model, ws, salt = info
@@ -1086,7 +1086,7 @@ class CacheEngine:
             with s.lock:
                 s.ended = True
                 job = s.job
-            if job is not None and not job.done.is_set():
+            if job is not None and not job.is_done:
                 job.superseded = True
             self._free_range(s, 0, 1 << 62)
         ttl = self.config.l1_write_ttl_seconds
@@ -1149,7 +1149,7 @@ class CacheEngine:
         return {
             "active_sessions": len(self.sessions),
             "active_prefetch_jobs": sum(
-                1 for s in self.sessions.all() if s.job is not None and not s.job.done.is_set()
+                1 for s in self.sessions.all() if s.job is not None and not s.job.is_done
             ),
             "registered_gpu_ids": [int(i) for i in gpu],
             "cache_context_meta": gpu,

@@ -203,7 +203,7 @@ def build_app(runtime: Any) -> FastAPI:
             raise HTTPException(404, f"unknown prefetch id {pid!r}")
         if "found" not in info:
             session = engine.sessions.get(pid)
-            if session is not None and session.job is not None and not session.job.done.is_set():
+            if session is not None and session.job is not None and not session.job.is_done:
                 return {"id": pid, "status": "pending"}
             hit = engine._consume(session) or 0
             info["found"] = hit * info["ws"]

@@ -68,6 +68,8 @@ class ServerMetrics:
         self.enabled = enabled
         self._lock = threading.Lock()
         self._gauge_sources: list[Callable[[ServerMetrics], None]] = []
+        self._pending: dict[str, float] = {}
+        self._pending_lock = threading.Lock()
         self._build()
 
     def _build(self) -> None:
@@ -91,7 +93,21 @@ class ServerMetrics:
         if not self.enabled or amount == 0:
             return
         c = self.counters[name]
-        (c.labels(**labels) if labels else c).inc(amount)
+        if labels:
+            c.labels(**labels).inc(amount)
+            return
+        if amount < 0:
+            raise ValueError(f"counter {name} can only grow (got {amount})")
+        # Unlabelled counters (a lookup bumps seven) add up here and reach prometheus when
+        # they are read: a dict update instead of a prometheus call each time.
+        with self._pending_lock:
+            self._pending[name] = self._pending.get(name, 0) + amount
+
+    def _publish_pending(self) -> None:
+        with self._pending_lock:
+            pending, self._pending = self._pending, {}
+        for name, amount in pending.items():
+            self.counters[name].inc(amount)
 
     def set(self, name: str, value: float) -> None:
         if self.enabled:
@@ -107,6 +123,7 @@ class ServerMetrics:
         c = self.counters[name]
         if labels:
             return c.labels(**labels)._value.get()
+        self._publish_pending()
         return c._value.get()
 
     def render(self) -> bytes:
@@ -116,8 +133,11 @@ class ServerMetrics:
             except Exception:
                 pass
         with self._lock:
+            self._publish_pending()
             return generate_latest(self.registry)
 
     def reset(self) -> None:
         with self._lock:
+            with self._pending_lock:
+                self._pending = {}
             self._build()

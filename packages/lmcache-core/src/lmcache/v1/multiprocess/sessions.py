@@ -27,24 +27,24 @@ class LookupJob:
         self.consumed = False
         self._callbacks: list[Callable[[LookupJob], None]] = []
         self._lock = threading.Lock()
-        self.done = threading.Event()
+        self.is_done = False  # nothing blocks on a job: waiters register callbacks
         self.handle: Any = None
         self.rows: list[list[Any]] = []
         self.deferred_frees: list[tuple[int, int]] = []  # (first, last) chunk ranges
 
     def complete(self, hit_chunks: int) -> None:
         with self._lock:
-            if self.done.is_set():
+            if self.is_done:
                 return
             self.hit_chunks = hit_chunks
-            self.done.set()
+            self.is_done = True
             callbacks, self._callbacks = self._callbacks, []
         for cb in callbacks:
             cb(self)
 
     def on_done(self, cb: Callable[[LookupJob], None]) -> None:
         with self._lock:
-            if not self.done.is_set():
+            if not self.is_done:
                 self._callbacks.append(cb)
                 return
         cb(self)
@@ -70,14 +70,14 @@ class Session:
         raw = tokens_to_be_bytes(token_ids)
         n_full = (len(raw) // 4) // chunk_size
         step = chunk_size * 4
-        keep = 0
         old = self.token_bytes
         limit = min(len(self.hashes), n_full)
-        while (
-            keep < limit
-            and old[keep * step : (keep + 1) * step] == raw[keep * step : (keep + 1) * step]
-        ):
-            keep += 1
+        if old[: limit * step] == raw[: limit * step]:  # the usual case: the same prompt again
+            keep = limit
+        else:
+            keep = 0
+            while old[keep * step : (keep + 1) * step] == raw[keep * step : (keep + 1) * step]:
+                keep += 1  # stops before limit: the whole span differs somewhere
         hashes = chunk_hashes(None, chunk_size, prefix=self.hashes[:keep], token_bytes=raw)
         if len(raw) >= len(old) or keep < len(self.hashes):
             self.token_bytes = raw
