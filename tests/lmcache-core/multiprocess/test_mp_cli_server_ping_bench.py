@@ -94,6 +94,8 @@ def test_bench_server_verifies_and_reports(bench_srv, tmp_path, mode):
         "256",
         "--iterations",
         "2",
+        "--lookup-repeats",
+        "5",
         "--url",
         srv.http_url,
         "--format",
@@ -108,7 +110,7 @@ def test_bench_server_verifies_and_reports(bench_srv, tmp_path, mode):
     m = data["metrics"]
     assert [x["num_tokens"] for x in m["results"]] == [256, 512]
     assert all(x["verified"] for x in m["results"])
-    for op in ("cold_store", "warm_retrieve", "cold_lookup", "warm_lookup"):
+    for op in ("cold_store", "warm_retrieve", "cold_lookup", "warm_lookup", "cached_lookup"):
         assert f"{op}_p50_ms" in m and f"{op}_p99_ms" in m and op in m
     assert "gbps" in m["cold_store"] and "gbps" in m["warm_retrieve"]
     if mode == "engine_driven":

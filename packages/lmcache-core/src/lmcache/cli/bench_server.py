@@ -4,9 +4,13 @@ It registers one worker with a paged KV cache shaped by ``--kvcache-shape-spec``
 (``'(2,NB,BS,NH,HS):dtype:num_layers'``, vLLM NHD), then per request size runs, for
 ``--iterations`` fresh prompts: a cold lookup (miss), a cold store, a warm lookup (hit)
 and a warm retrieve into blocks that were cleared first; every retrieved byte is
-compared with what was stored. Reports p50/p99 latency and GB/s per op as JSON
-(``metrics.results`` per size, plus ``cold_store``, ``warm_retrieve``, ``cold_lookup``,
-``warm_lookup`` summaries of the first size with ``_p50_ms``/``_p99_ms``/``_gbps``).
+compared with what was stored. Each warm lookup follows a store of the whole request, so
+it runs with caches the copy just flushed. ``cached_lookup`` then looks the last stored
+prompt up ``--lookup-repeats`` times back to back, each as a new request (fresh session:
+the server hashes the tokens), as a scheduler does for a batch of arriving requests.
+Reports p50/p99 latency and GB/s per op as JSON (``metrics.results`` per size, plus
+``cold_store``, ``warm_retrieve``, ``cold_lookup``, ``warm_lookup``, ``cached_lookup``
+summaries of the first size with ``_p50_ms``/``_p99_ms``/``_gbps``).
 
 ``--baselines`` adds, for comparison, the RPC ``noop`` round trip; two bare pyzmq REQ/REP
 round trips (``bare_zmq_req_rep``: both ends in this process, sharing one ZeroMQ I/O thread;
@@ -58,6 +62,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--end", type=int, default=None, help="sweep: last request size (tokens)")
     p.add_argument("--interval", type=int, default=None, help="sweep: step (tokens)")
     p.add_argument("--iterations", type=int, default=20, help="requests per size (default 20)")
+    p.add_argument(
+        "--lookup-repeats",
+        type=int,
+        default=100,
+        help="back-to-back lookups of a cached prompt per size (cached_lookup; default 100)",
+    )
     p.add_argument("--model-name", default="bench-model")
     p.add_argument(
         "--baselines", action="store_true", help="also measure noop RTT, bare zmq and memcpy"
@@ -129,6 +139,8 @@ def run(args: argparse.Namespace) -> int:
         sizes = [args.num_tokens]
     if args.iterations < 1:
         raise CLIError(f"--iterations must be >= 1 (got {args.iterations})")
+    if args.lookup_repeats < 1:
+        raise CLIError(f"--lookup-repeats must be >= 1 (got {args.lookup_repeats})")
     client = MPClient(args.rpc_url, default_timeout=60)
     try:
         try:
@@ -162,7 +174,7 @@ def run(args: argparse.Namespace) -> int:
             ctx.close()
         summary: dict[str, Any] = {"results": results}
         first = results[0]
-        for op in ("cold_store", "warm_retrieve", "cold_lookup", "warm_lookup"):
+        for op in ("cold_store", "warm_retrieve", "cold_lookup", "warm_lookup", "cached_lookup"):
             for k, v in first[op].items():
                 summary[f"{op}_{k}"] = v
             summary[op] = first[op]
@@ -258,6 +270,13 @@ def _bench_size(client, ctx, kv, n_tok, chunk, bs, args, P, prog) -> dict[str, A
         verified = verified and bool(stored) and hit * chunk == n_tok and bool(ok) and same
         client.call("end_session", rid)
         prog.step(f"{n_tok} tokens")
+    t_cached_lookup = []
+    for i in range(args.lookup_repeats):
+        rid = f"bench-{n_tok}-cached-{i}-{random.getrandbits(32)}"
+        hit, dt = lookup(tokens, rid)
+        t_cached_lookup.append(dt)
+        client.call("end_session", rid)
+        verified = verified and hit * chunk == n_tok
     return {
         "num_tokens": n_tok,
         "bytes_per_request": nbytes,
@@ -266,6 +285,7 @@ def _bench_size(client, ctx, kv, n_tok, chunk, bs, args, P, prog) -> dict[str, A
         "cold_store": _stats(t_store, nbytes),
         "warm_lookup": _stats(t_warm_lookup, 0),
         "warm_retrieve": _stats(t_retrieve, nbytes),
+        "cached_lookup": _stats(t_cached_lookup, 0),
     }
 
 
@@ -367,7 +387,7 @@ def _text(out: dict[str, Any]) -> str:
         lines.append(
             f"{r['num_tokens']} tokens ({r['bytes_per_request'] / 2**20:.1f} MiB) verified={r['verified']}"
         )
-        for op in ("cold_lookup", "cold_store", "warm_lookup", "warm_retrieve"):
+        for op in ("cold_lookup", "cold_store", "warm_lookup", "warm_retrieve", "cached_lookup"):
             s = r[op]
             extra = f" {s['gbps']:.2f} GB/s" if "gbps" in s else ""
             lines.append(f"  {op:<14} p50 {s['p50_ms']:.3f} ms  p99 {s['p99_ms']:.3f} ms{extra}")

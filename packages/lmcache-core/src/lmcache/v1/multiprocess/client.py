@@ -600,44 +600,54 @@ class MPClient:
                     others.append(got)
             if mine is not None:
                 self._on_reply(mine)  # our own future: no callbacks run under the lock
+            # Replies to other requests leave the pending table now (their futures are set
+            # once the socket is let go), so they do not count as still awaited below.
+            claimed = [c for c in map(self._claim, others) if c is not None]
             self._flush(sock)
             if self._pending:
                 # Someone may wait through the FD (the polling thread or _wait_fast): drain
                 # to "no input" so it signals the next reply. Otherwise the next sender
                 # drains after sending, as every sender does.
-                others += self._flush_and_drain()
+                claimed += [c for c in map(self._claim, self._flush_and_drain()) if c]
         finally:
             self._release_io()
             self._return_fd()
-        self._on_replies(others)
+        for other, value in claimed:
+            other._set(value)
         if timeout is not None:
             timeout = max(0.0, timeout - (time.monotonic() - t0))
         return fut.result(timeout)
 
     def _on_reply(self, frames: list[zmq.Frame]) -> None:
+        claimed = self._claim(frames)
+        if claimed is not None:
+            claimed[0]._set(claimed[1])
+
+    def _claim(self, frames: list[zmq.Frame]) -> tuple[MPFuture, Any] | None:
+        """Take the pending request a reply answers: (its future, the value to set), or None
+        for a reply that is malformed, late or not ours. The future is not set here, so a
+        thread holding the socket can claim replies and resolve them after letting go."""
         if len(frames) not in (2, 3):
             logger.warning("Dropping malformed reply with %d frames from %s", len(frames), self.url)
-            return
+            return None
         try:
             uid = P.decode(frames[0].buffer)
         except Exception:
             logger.warning("Dropping reply with an undecodable uid from %s", self.url)
-            return
+            return None
         with self._pending_lock:
             entry = self._pending.pop(uid, None)
         if entry is None:
-            return  # late reply to a timed-out request, or not ours
+            return None  # late reply to a timed-out request, or not ours
         fut, op_bytes = entry
         if frames[1].bytes != op_bytes:
-            fut._set(P.RemoteError("BAD_REQUEST", f"reply echoed a different op for uid {uid}"))
-            return
+            return fut, P.RemoteError("BAD_REQUEST", f"reply echoed a different op for uid {uid}")
         if len(frames) == 2:
-            fut._set(None)
-            return
+            return fut, None
         try:
-            fut._set(P.decode(frames[2].buffer))
+            return fut, P.decode(frames[2].buffer)
         except Exception as exc:
-            fut._set(exc)
+            return fut, exc
 
     def _fail(self, frames: list[bytes], exc: BaseException) -> None:
         try:

@@ -32,7 +32,7 @@ import zmq
 from lmcache.utils import init_logger
 from lmcache.v1.multiprocess import protocol as P
 from lmcache.v1.multiprocess.engine import CacheEngine, RequestContext
-from lmcache.v1.multiprocess.framing import has_input, recv_frames, send_frames
+from lmcache.v1.multiprocess.framing import recv_frames, send_frames
 from lmcache.v1.multiprocess.protocol import ErrorCode, HandlerKind, RequestError
 
 logger = init_logger(__name__)
@@ -46,8 +46,6 @@ _WAKE_ID = b"lmcache-server-loop-wake"
 # The loop's receive timeout: how often it looks at the stop flag when nothing arrives.
 _LOOP_RCVTIMEO_MS = 500
 _NO_FEATURES: frozenset[str] = frozenset()
-# At most this many requests are handled before the replies queued meanwhile go out.
-_MAX_UNFLUSHED = 8
 
 
 class MPCacheServer:
@@ -137,13 +135,8 @@ class MPCacheServer:
         assert self._sock is not None
         sock = self._sock
         self._loop_ident = threading.get_ident()
-        unflushed = 0
         while not self._stop.is_set():
-            # Requests that already wait are handled before the replies go out (a lookup
-            # and the status query right behind it share one send), up to a bound.
-            if self._outbox and (unflushed >= _MAX_UNFLUSHED or not has_input(sock)):
-                self._flush(sock)
-                unflushed = 0
+            self._flush(sock)
             try:
                 frames = recv_frames(sock, block=True)
             except zmq.Again:  # the receive timeout: look at the stop flag
@@ -156,7 +149,6 @@ class MPCacheServer:
             if len(frames) == 2 and frames[0].bytes == _WAKE_ID:
                 self._wake_pending = False  # before the flush at the top of the loop sends them
                 continue
-            unflushed += 1
             try:
                 self._dispatch(frames)
             except Exception:  # never let one request stop the loop
