@@ -193,6 +193,30 @@ def test_status_query_sent_right_after_lookup_sees_it(srv, mp):
         c.close()
 
 
+def test_lookup_with_a_wait_answers_the_hit_count_in_its_own_reply(srv, mp):
+    """lookup_wait: the lookup's reply carries what the status query would have answered,
+    consumed as a query consumes it; a client without the feature gets 0.5.6 behaviour."""
+    model = _model()
+    c, ctx = mp.worker(srv.rpc_url, mp.make_kv(), model=model)
+    try:
+        assert P.FEATURE_LOOKUP_WAIT in c.features
+        assert ctx.submit_store(mp.key("w", model=model), list(range(1, 33))).result(20)
+        assert c.call("lookup", mp.key("w1", model=model, worker_id=None), 1, 10.0) == 2
+        assert c.call("query_prefetch_status", "w1") == 0  # consumed by the lookup's reply
+        c.call("end_session", "w1")
+        miss = mp.key("w2", model=model, worker_id=None, tokens=list(range(7, 7 + 512)))
+        assert c.lookup_hits(miss, 10.0) == 0
+        with MPClient(srv.rpc_url, default_timeout=20) as old:  # no features: two requests
+            assert old.lookup_hits(mp.key("w3", model=model, worker_id=None)) == 2
+            assert old.call("lookup", mp.key("w4", model=model, worker_id=None), 1) is None
+            assert old.call("wait_prefetch_status", "w4", 10.0) == 2
+        for rid in ("w2", "w3", "w4"):
+            c.call("end_session", rid)
+    finally:
+        ctx.close()
+        c.close()
+
+
 def test_transfer_ops_are_timed_per_phase(srv_shm, mp):
     model = _model()
     before = {
@@ -333,6 +357,7 @@ def test_num_kv_readers_zero_rejected(srv, mp):
             "raw_payload_v1",
             "token_ids_u32be",
             "ordered_lookup",
+            "lookup_wait",
         }
         with pytest.raises(RemoteError) as exc:
             c.submit("lookup", k, 1).result(5)

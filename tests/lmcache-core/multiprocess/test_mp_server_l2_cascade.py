@@ -78,3 +78,32 @@ def test_l1_resident_lookup_is_answered_without_the_l2_path(lmcache_server, mp):
         peer.close()
         ctx.close()
         c.close()
+
+
+def test_lookup_with_a_wait_parks_until_l2_loads_and_a_short_wait_leaves_the_status(
+    lmcache_server, mp
+):
+    srv = lmcache_server("--l2-adapter", MOCK_L2)
+    model = "l2-wait"
+    c, ctx = mp.worker(srv.rpc_url, mp.make_kv(), model=model)
+    try:
+        assert P.FEATURE_LOOKUP_WAIT in c.features
+        assert ctx.submit_store(mp.key("s", model=model), list(range(1, 33))).result(20)
+        mp.wait_for(
+            lambda: mp.status(srv)["storage_manager"]["l2_adapters"][0]["usage_bytes"] >= 2 * 32768,
+            "the write-behind store to L2 finished",
+            30,
+        )
+        assert c.call("clear", True) is None  # L1 only; L2 keeps the chunks
+        # no wait left: the reply is nil at once and the status stays to be queried
+        assert c.call("lookup", mp.key("short", model=model, worker_id=None), 1, 0.0) is None
+        assert c.call("wait_prefetch_status", "short", 30.0) == 2
+        c.call("end_session", "short")
+        assert c.call("clear", True) is None
+        # a long enough wait: the reply comes once L2 has loaded the chunks
+        assert c.lookup_hits(mp.key("long", model=model, worker_id=None), 30.0) == 2
+        assert c.call("query_prefetch_status", "long") == 0
+        c.call("end_session", "long")
+    finally:
+        ctx.close()
+        c.close()

@@ -206,6 +206,13 @@ def test_unlabelled_counters_reach_every_reader_and_reset_drops_them():
         m.inc("lmcache_mp_lookups_requests", -1)
     with pytest.raises(KeyError):
         m.inc("lmcache_mp_no_such_counter")
+    with pytest.raises(ValueError):  # a labelled counter needs its labels
+        m.inc("lmcache_mp_request_errors")
+    m.inc_many({"lmcache_mp_lookup_hit_tokens": 256, "lmcache_mp_lookup_hit_l2_keys": 0})
+    assert m.value("lmcache_mp_lookup_hit_tokens") == 768
+    with pytest.raises(ValueError, match="unlabelled counters"):
+        m.inc_many({"lmcache_mp_lookup_hit_tokens": 1, "lmcache_mp_request_errors": 1})
+    assert m.value("lmcache_mp_lookup_hit_tokens") == 768  # nothing of a rejected call counts
     m.inc("lmcache_mp_lookups_requests")  # not yet read when the reset comes
     m.reset()
     assert m.value("lmcache_mp_lookups_requests") == 0
@@ -230,3 +237,68 @@ def test_token_bytes_memo_never_serves_a_changed_list():
     assert memo.to_bytes([]) == b""
     with pytest.raises(ValueError, match="uint32"):
         memo.to_bytes([1, -2])
+
+
+def _u32be(tokens):
+    from lmcache.v1.multiprocess.token_hasher import tokens_to_be_bytes
+
+    return tokens_to_be_bytes(tokens)
+
+
+def test_prefix_hash_memo_reuses_only_shared_whole_chunks():
+    from lmcache.v1.multiprocess.token_hasher import PrefixHashMemo
+
+    cs = 4
+    memo = PrefixHashMemo(cs)
+    base = list(range(1, 17))  # 4 chunks
+    memo.remember(_u32be(base), chunk_hashes(base, cs))
+    # shares 2 whole chunks, then differs inside the third
+    other = base[:9] + [99] + base[10:] + [5, 6, 7, 8]
+    known = memo.known_prefix(_u32be(other))
+    assert known == chunk_hashes(base, cs)[:2] == chunk_hashes(other, cs)[:2]
+    assert memo.known_prefix(_u32be(base + [1, 2, 3, 4])) == chunk_hashes(base, cs)
+    assert memo.known_prefix(_u32be(base[:6])) == chunk_hashes(base, cs)[:1]
+    assert memo.known_prefix(_u32be([7] + base[1:])) == []  # differs in the first chunk
+    assert memo.known_prefix(_u32be(base[:3])) == []  # no whole chunk
+
+
+def test_prefix_hash_memo_keeps_to_its_byte_budget():
+    from lmcache.v1.multiprocess.token_hasher import PrefixHashMemo
+
+    cs = 4
+    memo = PrefixHashMemo(cs, max_bytes=3 * 32)  # three 2-chunk sequences of 32 bytes
+    seqs = [[i] * 8 for i in range(1, 6)]
+    for s in seqs:
+        memo.remember(_u32be(s), chunk_hashes(s, cs))
+    assert memo.bytes <= 3 * 32
+    assert memo.known_prefix(_u32be(seqs[0])) == []  # least recently used: gone
+    assert memo.known_prefix(_u32be(seqs[-1])) == chunk_hashes(seqs[-1], cs)
+    longer = seqs[-1] + [9] * 4
+    memo.remember(_u32be(longer), chunk_hashes(longer, cs))  # replaces its own prefix
+    assert memo.bytes <= 3 * 32
+    assert memo.known_prefix(_u32be(longer)) == chunk_hashes(longer, cs)
+
+
+def test_session_hashes_reuse_other_requests_prefix_and_stay_right(monkeypatch):
+    from lmcache.v1.multiprocess import token_hasher
+    from lmcache.v1.multiprocess.sessions import Session
+
+    cs = 16
+    memo = token_hasher.PrefixHashMemo(cs)
+    calls = []
+    real = token_hasher.blake3
+    monkeypatch.setattr(token_hasher, "blake3", lambda data: calls.append(1) or real(data))
+    prompt = list(range(1000, 1000 + 8 * cs))
+    follow_up = prompt + list(range(5000, 5000 + 2 * cs))  # a new request: the old prompt + more
+    edited = list(prompt)
+    edited[3 * cs + 1] += 1  # same length, one token changed in chunk 3
+    expected = [chunk_hashes(p, cs) for p in (prompt, follow_up, edited)]
+    calls.clear()
+    assert Session("a").hashes_for(prompt, cs, memo) == expected[0]
+    assert len(calls) == 8
+    calls.clear()
+    assert Session("b").hashes_for(follow_up, cs, memo) == expected[1]
+    assert len(calls) == 2  # only the two new chunks
+    calls.clear()
+    assert Session("c").hashes_for(edited, cs, memo) == expected[2]
+    assert len(calls) == 5  # chunks 0-2 are shared; 3-7 differ

@@ -172,9 +172,11 @@ class TTLLock:
     def _expired(self, now: float | None = None) -> bool:
         return (time.monotonic() if now is None else now) >= self._deadline
 
-    def lock(self, n: int = 1) -> None:
-        now = time.monotonic()
-        if self._count > 0 and self._expired(now):
+    def lock(self, n: int = 1, now: float | None = None) -> None:
+        """``now``: a ``time.monotonic()`` reading the caller already took (batch locking)."""
+        if now is None:
+            now = time.monotonic()
+        if self._count > 0 and now >= self._deadline:
             self._count = 0
         self._count += n
         self._deadline = now + self._ttl

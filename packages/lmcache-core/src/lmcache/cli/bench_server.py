@@ -228,13 +228,7 @@ def _bench_size(client, ctx, kv, n_tok, chunk, bs, args, P, prog) -> dict[str, A
             num_kv_readers=1,
         )
         t0 = time.perf_counter()
-        if P.FEATURE_ORDERED_LOOKUP in client.features:
-            ack = client.submit("lookup", k, 1)  # the wait goes out right behind it
-            hit = client.call("wait_prefetch_status", rid, 30.0)
-            ack.result(30)
-        else:
-            client.call("lookup", k, 1)
-            hit = client.call("wait_prefetch_status", rid, 30.0)
+        hit = client.lookup_hits(k, 30.0)
         return int(hit or 0), time.perf_counter() - t0
 
     for it in range(args.iterations):

@@ -137,9 +137,12 @@ class LRUEvictionPolicy(EvictionPolicy):
 
     def on_keys_touched(self, keys: list[ObjectKey]) -> None:
         with self._lock:
+            move = self._order.move_to_end
             for k in reversed(keys):
-                if k in self._order:
-                    self._order.move_to_end(k)
+                try:
+                    move(k)
+                except KeyError:  # not tracked (yet): nothing to refresh
+                    pass
 
     def on_keys_removed(self, keys: list[ObjectKey]) -> None:
         with self._lock:

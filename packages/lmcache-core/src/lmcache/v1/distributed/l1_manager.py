@@ -363,9 +363,10 @@ class L1Manager(L1ManagerInterface):
                 hit = len(entries)
                 found.append(entries)
             locked: list[ObjectKey] = []
+            now = time.monotonic()
             for row, entries in zip(rows, found, strict=True):
                 for entry in entries[:hit]:
-                    entry.read_lock.lock(n)
+                    entry.read_lock.lock(n, now)
                 locked += row[:hit]
             self._fire("on_l1_keys_reserved_read", locked)
             self._fire("on_l1_keys_accessed", locked)

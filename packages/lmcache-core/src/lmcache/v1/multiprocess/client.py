@@ -740,6 +740,24 @@ class MPClient:
     def noop(self, timeout: float | None = -1.0) -> str:
         return self.call("noop", timeout=timeout)
 
+    def lookup_hits(
+        self, key: P.IPCCacheServerKey, wait: float = 30.0, tp_size: Any = 1
+    ) -> int | None:
+        """Look ``key`` up and wait up to ``wait`` s for the hit prefix in chunks (None when
+        the server's wait ran out; the status then stays queryable). One round trip where
+        the server offers ``lookup_wait``, a lookup with its wait sent right behind it where
+        it offers ``ordered_lookup``, else (LMCache 0.5.6) a lookup, then the wait."""
+        timeout = wait + self.default_timeout if self.default_timeout is not None else None
+        if P.FEATURE_LOOKUP_WAIT in self.features:
+            return self.call("lookup", key, tp_size, float(wait), timeout=timeout)
+        if P.FEATURE_ORDERED_LOOKUP in self.features:
+            ack = self.submit("lookup", key, tp_size)
+            hits = self.call("wait_prefetch_status", key.request_id, float(wait), timeout=timeout)
+            ack.result(timeout)
+            return hits
+        self.call("lookup", key, tp_size, timeout=timeout)
+        return self.call("wait_prefetch_status", key.request_id, float(wait), timeout=timeout)
+
     def get_experimental(self, timeout: float | None = -1.0) -> list[str]:
         return list(self.call("get_experimental", timeout=timeout) or [])
 

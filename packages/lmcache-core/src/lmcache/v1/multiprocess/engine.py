@@ -28,7 +28,7 @@ from lmcache.v1.multiprocess.metrics import ServerMetrics
 from lmcache.v1.multiprocess.protocol import ErrorCode, RequestError
 from lmcache.v1.multiprocess.sessions import LookupJob, Session, SessionTable
 from lmcache.v1.multiprocess.storage_bridge import StorageBridge
-from lmcache.v1.multiprocess.token_hasher import compute_kv_rank
+from lmcache.v1.multiprocess.token_hasher import PrefixHashMemo, compute_kv_rank
 
 logger = init_logger(__name__)
 
@@ -59,11 +59,16 @@ class RequestContext:
 
     def reply(self, value: Any) -> bool:
         """Send the (deferred) reply once; later calls are ignored."""
+        return self.reply_with(lambda: value)
+
+    def reply_with(self, make_value: Callable[[], Any]) -> bool:
+        """``reply(make_value())``, where ``make_value`` runs only while no reply went out
+        yet: a waiter that already timed out must not consume a result it cannot send."""
         with self._lock:
             if self._done:
                 return False
             self._done = True
-        self._reply(value)
+        self._reply(make_value())
         return True
 
 
@@ -184,6 +189,7 @@ class CacheEngine:
         self.shm_pool_size = shm_pool_size
         self.shm_disabled_reason = shm_disabled_reason
         self.sessions = SessionTable(config.session_ttl_seconds)
+        self.hash_memo = PrefixHashMemo(self.cs)
         self.layouts: dict[tuple[str, int], Layout] = {}
         self.instances: dict[int, Instance] = {}
         self._lock = threading.RLock()
@@ -260,7 +266,7 @@ class CacheEngine:
     def _hashes(self, session: Session, key: P.IPCCacheServerKey, end: int) -> list[bytes]:
         try:
             with session.lock:
-                return session.hashes_for(P.token_prefix(key, end), self.cs)
+                return session.hashes_for(P.token_prefix(key, end), self.cs, self.hash_memo)
         except ValueError as exc:
             raise RequestError(ErrorCode.INVALID_ARGUMENT, str(exc)) from exc
 
@@ -516,7 +522,21 @@ class CacheEngine:
         return True
 
     # ------------------------------------------------------------------ lookup
-    def lookup(self, ctx: RequestContext, key: P.IPCCacheServerKey, tp_size: Any = None):
+    def lookup(
+        self,
+        ctx: RequestContext,
+        key: P.IPCCacheServerKey,
+        tp_size: Any = None,
+        wait_timeout: float | None = None,
+    ):
+        """Starts the prefetch job; 0.5.6 replies nil. With ``wait_timeout``
+        (``FEATURE_LOOKUP_WAIT``) the reply is wait_prefetch_status's answer instead."""
+        self._start_lookup(key)
+        if wait_timeout is None:
+            return None
+        return self.wait_prefetch_status(ctx, key.request_id, wait_timeout)
+
+    def _start_lookup(self, key: P.IPCCacheServerKey) -> None:
         if key.num_kv_readers < 1:
             raise RequestError(
                 ErrorCode.INVALID_ARGUMENT,
@@ -547,13 +567,13 @@ class CacheEngine:
                     key.world_size,
                 )
             job.complete(0)
-            return None
+            return
         hashes = self._hashes(session, key, key.end)
         last = len(hashes)
         self.metrics.inc("lmcache_mp_lookup_requested_tokens", max(0, key.end - key.start))
         if last <= first:
             job.complete(0)
-            return None
+            return
         job.rows = self._keys(hashes, first, last, key, range(key.world_size))
         try:
             # The common case: L1 alone answers at once, without a prefetch request.
@@ -565,14 +585,13 @@ class CacheEngine:
         except Exception as exc:
             logger.error("lookup %s: prefetch submit failed: %s", key.request_id, exc)
             job.complete(0)
-            return None
+            return
         if now is not None:
             self._finish_job(session, job, now)
         elif self.storage.wait_lookup(job.handle, 0):
             self._finish_job(session, job)
         else:
             self._lookup_waiters.submit(self._wait_job, session, job)
-        return None
 
     def _wait_job(self, session: Session, job: LookupJob) -> None:
         while not self._stop.is_set():
@@ -592,23 +611,24 @@ class CacheEngine:
                 job.complete(0)
                 return
         hit = out.hit_chunks
-        self.metrics.inc("lmcache_mp_lookup_hit_tokens", hit * self.cs)
-        self.metrics.inc("lmcache_mp_lookup_hit_l1_keys", out.l1_keys)
-        self.metrics.inc("lmcache_mp_lookup_hit_l2_keys", out.l2_keys)
-        if job.rows:
-            ranks = len(job.rows)
-            self.metrics.inc(
-                "lmcache_mp_lookup_hit_l1_tokens", out.l1_keys * self.cs // max(1, ranks)
-            )
-            self.metrics.inc(
-                "lmcache_mp_lookup_hit_l2_tokens", out.l2_keys * self.cs // max(1, ranks)
-            )
+        ranks = max(1, len(job.rows))
+        self.metrics.inc_many(
+            {
+                "lmcache_mp_lookup_hit_tokens": hit * self.cs,
+                "lmcache_mp_lookup_hit_l1_keys": out.l1_keys,
+                "lmcache_mp_lookup_hit_l2_keys": out.l2_keys,
+                "lmcache_mp_lookup_hit_l1_tokens": out.l1_keys * self.cs // ranks,
+                "lmcache_mp_lookup_hit_l2_tokens": out.l2_keys * self.cs // ranks,
+            }
+        )
+        readers, first_chunk = job.num_kv_readers, job.first_chunk
         with session.lock:
+            shares, share_keys = session.shares, session.share_keys
             for r, row in enumerate(job.rows):
                 for j in range(hit):
-                    c = job.first_chunk + j
-                    session.shares[(c, r)] = session.shares.get((c, r), 0) + job.num_kv_readers
-                    session.share_keys[(c, r)] = row[j]
+                    ck = (first_chunk + j, r)
+                    shares[ck] = shares.get(ck, 0) + readers
+                    share_keys[ck] = row[j]
             frees, job.deferred_frees = job.deferred_frees, []
         job.complete(hit)
         for first, last in frees:
@@ -649,9 +669,7 @@ class CacheEngine:
 
         def on_done(_job: LookupJob) -> None:
             if session.job is job:
-                value = self._consume(session)
-                if not ctx.reply(value):
-                    return
+                ctx.reply_with(lambda: self._consume(session))
             else:
                 ctx.reply(0)
 

@@ -42,6 +42,8 @@ _COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
     "lmcache_mp_report_block_allocation": ("report_block_allocation calls", ()),
 }
 
+_UNLABELLED = frozenset(n for n, (_, labels) in _COUNTERS.items() if not labels)
+
 _GAUGES: dict[str, str] = {
     "lmcache_mp_active_prefetch_jobs": "prefetch jobs in flight",
     "lmcache_mp_active_p2p_lookup_jobs": "p2p lookups in flight (p2p is not built: 0)",
@@ -92,9 +94,9 @@ class ServerMetrics:
     def inc(self, name: str, amount: float = 1.0, **labels: str) -> None:
         if not self.enabled or amount == 0:
             return
-        c = self.counters[name]
-        if labels:
-            c.labels(**labels).inc(amount)
+        if labels or name not in _UNLABELLED:
+            c = self.counters[name]  # an unknown name or missing labels raise here
+            (c.labels(**labels) if labels else c).inc(amount)
             return
         if amount < 0:
             raise ValueError(f"counter {name} can only grow (got {amount})")
@@ -102,6 +104,21 @@ class ServerMetrics:
         # they are read: a dict update instead of a prometheus call each time.
         with self._pending_lock:
             self._pending[name] = self._pending.get(name, 0) + amount
+
+    def inc_many(self, amounts: dict[str, float]) -> None:
+        """``inc`` of several unlabelled counters at once (one lock round trip)."""
+        if not self.enabled:
+            return
+        bad = [n for n, a in amounts.items() if n not in _UNLABELLED or a < 0]
+        if bad:
+            raise ValueError(
+                f"inc_many takes unlabelled counters and amounts >= 0 (got {bad[0]!r}: {amounts[bad[0]]})"
+            )
+        with self._pending_lock:
+            pending = self._pending
+            for name, amount in amounts.items():
+                if amount:
+                    pending[name] = pending.get(name, 0) + amount
 
     def _publish_pending(self) -> None:
         with self._pending_lock:

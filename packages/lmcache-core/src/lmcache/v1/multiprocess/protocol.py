@@ -79,11 +79,18 @@ FEATURE_TOKEN_IDS_U32BE = "token_ids_u32be"
 # may send query/wait_prefetch_status right behind its lookup without waiting for the ack
 # (one round trip instead of two). 0.5.6 ran them on a pool, where the query could overtake.
 FEATURE_ORDERED_LOOKUP = "ordered_lookup"
+# Ours: lookup takes an optional third payload, a wait timeout in seconds. With it the
+# reply is what wait_prefetch_status(request_id, timeout) would answer right after the
+# lookup: the hit count in chunks (consumed, as a status query consumes it), or nil when
+# the timeout passes first (the status then stays queryable). One request and one reply
+# instead of two of each; a client sends the third payload only after negotiating this.
+FEATURE_LOOKUP_WAIT = "lookup_wait"
 SUPPORTED_FEATURES: tuple[str, ...] = (
     FEATURE_ERROR_REPLIES,
     FEATURE_RAW_PAYLOAD_V1,
     FEATURE_TOKEN_IDS_U32BE,
     FEATURE_ORDERED_LOOKUP,
+    FEATURE_LOOKUP_WAIT,
 )
 
 # ---------------------------------------------------------------------------
@@ -225,7 +232,12 @@ OPS: tuple[OpSpec, ...] = (
     # IMPROVE (NORMAL in 0.5.6): lookup never blocks (L2 lookups and loads run on the
     # storage layer's own threads), so it runs inline, and status queries after it are
     # answered in order, without two pool handoffs per request.
-    OpSpec("lookup", 8, _S, (_K, Param("tp_size", Any, None))),
+    OpSpec(
+        "lookup",
+        8,
+        _S,
+        (_K, Param("tp_size", Any, None), Param("wait_timeout", float | None, None)),
+    ),
     OpSpec("query_prefetch_status", 9, _S, (Param("request_id", str),)),
     OpSpec("wait_prefetch_status", 10, _S, (Param("request_id", str), Param("timeout", float))),
     OpSpec("free_lookup_locks", 12, _N, (_K, Param("tp_size", Any, None))),

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from lmcache.v1.multiprocess.token_hasher import chunk_hashes, tokens_to_be_bytes
+from lmcache.v1.multiprocess.token_hasher import PrefixHashMemo, chunk_hashes, tokens_to_be_bytes
 
 
 class LookupJob:
@@ -65,8 +65,11 @@ class Session:
     ended: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def hashes_for(self, token_ids: list[int] | bytes, chunk_size: int) -> list[bytes]:
-        """Chunk hashes of ``token_ids``, reusing cached ones only while their tokens match."""
+    def hashes_for(
+        self, token_ids: list[int] | bytes, chunk_size: int, memo: PrefixHashMemo | None = None
+    ) -> list[bytes]:
+        """Chunk hashes of ``token_ids``, reusing cached ones only while their tokens match:
+        this session's, else the longest prefix ``memo`` knows from other requests."""
         raw = tokens_to_be_bytes(token_ids)
         n_full = (len(raw) // 4) // chunk_size
         step = chunk_size * 4
@@ -78,7 +81,14 @@ class Session:
             keep = 0
             while old[keep * step : (keep + 1) * step] == raw[keep * step : (keep + 1) * step]:
                 keep += 1  # stops before limit: the whole span differs somewhere
-        hashes = chunk_hashes(None, chunk_size, prefix=self.hashes[:keep], token_bytes=raw)
+        prefix = self.hashes[:keep]
+        if memo is not None and keep < n_full:
+            known = memo.known_prefix(raw)
+            if len(known) > keep:
+                prefix = known
+        hashes = chunk_hashes(None, chunk_size, prefix=prefix, token_bytes=raw)
+        if memo is not None and len(hashes) > len(prefix):
+            memo.remember(raw, hashes)
         if len(raw) >= len(old) or keep < len(self.hashes):
             self.token_bytes = raw
             self.hashes = hashes
