@@ -111,6 +111,19 @@ def _with_token_bytes(payload: Any) -> Any:
     return payload
 
 
+def _reply_value(frames: list[zmq.Frame], op_bytes: bytes, uid: int) -> Any:
+    """The value a well-formed reply (uid, op[, payload]) carries for a request of
+    ``op_bytes``; an exception instance for an op echo mismatch or an undecodable payload."""
+    if frames[1].bytes != op_bytes:
+        return P.RemoteError("BAD_REQUEST", f"reply echoed a different op for uid {uid}")
+    if len(frames) == 2:
+        return None
+    try:
+        return P.decode(frames[2].buffer)
+    except Exception as exc:
+        return exc
+
+
 class LMCacheTimeoutError(TimeoutError):
     """A request got no reply in time (the server may be down, busy or silent on an error)."""
 
@@ -557,7 +570,9 @@ class MPClient:
         woken. The socket is held for at most ``_FAST_WAIT_S``; every ``_OWNED_SLICE_MS``
         the requests other threads queued meanwhile are sent (in order). Replies to other
         requests are resolved as usual once the socket is let go. A reply that takes
-        longer is left to ``result()``.
+        longer is left to ``result()``. A reply that arrives in time needs no future: the
+        request enters the pending table only when this thread lets go of the socket first
+        (until then no other thread can receive its reply).
         """
         t0 = time.monotonic()
         sock = self._sock
@@ -568,9 +583,6 @@ class MPClient:
             name, op_bytes = _op_info(op)
             uid = next(self._uids)
             frames = self._request_frames(uid, op_bytes, payloads)
-            fut = MPFuture(self, uid, name)
-            with self._pending_lock:
-                self._pending[uid] = (fut, op_bytes)
         except BaseException:
             self._release_io()
             raise
@@ -579,11 +591,12 @@ class MPClient:
         self._hold_fd()
         others: list[list[zmq.Frame]] = []
         mine = None
+        fut = None
         try:
-            self._outq.append(frames)
-            self._flush(sock)  # the blocking receive below needs no readiness check first
+            self._flush(sock)  # requests other threads queued first: per-client FIFO
+            send_frames(sock, frames)  # a failure raises here, to this caller
             end = t0 + budget
-            while mine is None and fut._value is _PENDING:
+            while mine is None and not self._closed:
                 try:
                     got = recv_frames(sock, block=True)
                 except zmq.Again:
@@ -594,12 +607,21 @@ class MPClient:
                 except zmq.ZMQError as exc:
                     logger.warning("receive from %s failed: %s", self.url, exc)
                     break
-                if got[0].bytes == uid_frame:
+                if got[0].bytes != uid_frame:
+                    others.append(got)
+                elif len(got) in (2, 3):
                     mine = got
                 else:
-                    others.append(got)
-            if mine is not None:
-                self._on_reply(mine)  # our own future: no callbacks run under the lock
+                    logger.warning(
+                        "Dropping malformed reply with %d frames from %s", len(got), self.url
+                    )
+            if mine is None:  # left to result(): from now on anyone may receive the reply
+                fut = MPFuture(self, uid, name)
+                with self._pending_lock:
+                    if self._closed:  # close() already failed every pending request
+                        fut._set(ConnectionError(f"MPClient for {self.url} closed"))
+                    else:
+                        self._pending[uid] = (fut, op_bytes)
             # Replies to other requests leave the pending table now (their futures are set
             # once the socket is let go), so they do not count as still awaited below.
             claimed = [c for c in map(self._claim, others) if c is not None]
@@ -614,6 +636,12 @@ class MPClient:
             self._return_fd()
         for other, value in claimed:
             other._set(value)
+        if mine is not None:
+            value = _reply_value(mine, op_bytes, uid)
+            if isinstance(value, BaseException):
+                raise value
+            return value
+        assert fut is not None
         if timeout is not None:
             timeout = max(0.0, timeout - (time.monotonic() - t0))
         return fut.result(timeout)
@@ -640,14 +668,7 @@ class MPClient:
         if entry is None:
             return None  # late reply to a timed-out request, or not ours
         fut, op_bytes = entry
-        if frames[1].bytes != op_bytes:
-            return fut, P.RemoteError("BAD_REQUEST", f"reply echoed a different op for uid {uid}")
-        if len(frames) == 2:
-            return fut, None
-        try:
-            return fut, P.decode(frames[2].buffer)
-        except Exception as exc:
-            return fut, exc
+        return fut, _reply_value(frames, op_bytes, uid)
 
     def _fail(self, frames: list[bytes], exc: BaseException) -> None:
         try:

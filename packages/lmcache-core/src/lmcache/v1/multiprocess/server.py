@@ -76,6 +76,7 @@ class MPCacheServer:
             max(1, self.config.max_cpu_workers), thread_name_prefix="mp-normal"
         )
         self._warned_unknown: set[tuple[Any, bytes]] = set()
+        self._supported_ops: dict[bytes, P.OpSpec] = {}  # op frame -> its op, once seen
         self._warned_sharing = False
         self.endpoint = ""
         self.accepting = True
@@ -198,8 +199,10 @@ class MPCacheServer:
             self._reply(peer, uid_b, op_b, value, features)
 
         try:
-            op_val = P.decode(op_b)
             P.decode(uid_b)
+            spec = self._supported_ops.get(op_b)
+            if spec is None:
+                op_val = P.decode(op_b)
         except Exception:
             self._fail(
                 peer,
@@ -211,7 +214,10 @@ class MPCacheServer:
                 features,
             )
             return
-        spec = P.lookup_op(op_val)
+        if spec is None:
+            spec = P.lookup_op(op_val)
+            if spec is not None and spec.supported and len(self._supported_ops) < 1024:
+                self._supported_ops[op_b] = spec  # op frames name a handful of ops
         if spec is None or not spec.supported:
             code = ErrorCode.UNKNOWN_OP if spec is None else ErrorCode.NOT_SUPPORTED
             if (repr(op_val), peer) not in self._warned_unknown and len(
@@ -350,7 +356,7 @@ class MPCacheServer:
     def _call(
         self, spec: P.OpSpec, ctx: RequestContext, args: list[Any], uid_b: bytes, op_b: bytes
     ) -> None:
-        t0 = time.perf_counter()
+        t0 = time.perf_counter() if spec.kind == HandlerKind.AFFINITY else 0.0
         try:
             result = self.engine.handlers[spec.name](ctx, *args)
         except RequestError as exc:
