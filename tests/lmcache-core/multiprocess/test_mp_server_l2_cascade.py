@@ -13,19 +13,24 @@ from lmcache.v1.multiprocess import protocol as P
 MOCK_L2 = json.dumps({"type": "mock", "max_size_gb": 0.1, "mock_bandwidth_gb": 0.0002})
 
 
+def _store_then_keep_only_in_l2(srv, mp, c, ctx, model):
+    """Store two chunks, wait for the write-behind copy in L2, then clear L1 alone."""
+    assert ctx.submit_store(mp.key("s", model=model), list(range(1, 33))).result(20)
+    mp.wait_for(
+        lambda: mp.status(srv)["storage_manager"]["l2_adapters"][0]["usage_bytes"] >= 2 * 32768,
+        "the write-behind store to L2 finished",
+        30,
+    )
+    assert c.call("clear", True) is None  # L1 only; L2 keeps the chunks
+
+
 def test_lookup_loads_from_l2_after_l1_is_cleared(lmcache_server, mp):
     srv = lmcache_server("--l2-adapter", MOCK_L2)
     model = "l2-model"
     kv = mp.make_kv()
     c, ctx = mp.worker(srv.rpc_url, kv, model=model)
     try:
-        assert ctx.submit_store(mp.key("s", model=model), list(range(1, 33))).result(20)
-        mp.wait_for(
-            lambda: mp.status(srv)["storage_manager"]["l2_adapters"][0]["usage_bytes"] >= 2 * 32768,
-            "the write-behind store to L2 finished",
-            30,
-        )
-        assert c.call("clear", True) is None  # L1 only; L2 keeps the chunks
+        _store_then_keep_only_in_l2(srv, mp, c, ctx, model)
         peer = mp.RawPeer(srv.rpc_url)
         try:
             rid = "from-l2"
@@ -88,13 +93,7 @@ def test_lookup_with_a_wait_parks_until_l2_loads_and_a_short_wait_leaves_the_sta
     c, ctx = mp.worker(srv.rpc_url, mp.make_kv(), model=model)
     try:
         assert P.FEATURE_LOOKUP_WAIT in c.features
-        assert ctx.submit_store(mp.key("s", model=model), list(range(1, 33))).result(20)
-        mp.wait_for(
-            lambda: mp.status(srv)["storage_manager"]["l2_adapters"][0]["usage_bytes"] >= 2 * 32768,
-            "the write-behind store to L2 finished",
-            30,
-        )
-        assert c.call("clear", True) is None  # L1 only; L2 keeps the chunks
+        _store_then_keep_only_in_l2(srv, mp, c, ctx, model)
         # no wait left: the reply is nil at once and the status stays to be queried
         assert c.call("lookup", mp.key("short", model=model, worker_id=None), 1, 0.0) is None
         assert c.call("wait_prefetch_status", "short", 30.0) == 2
