@@ -1102,3 +1102,17 @@ def test_l1_only_fast_path_matches_the_general_path(lock_mode, monkeypatch):
     assert fast[0] == [0b111, 0b111]  # the common prefix of both rows
     assert fast[4][0][:3] == [lock_mode is LockMode.LOCK] * 3 and not any(fast[4][0][3:])
     assert fast == run(False)
+
+
+def test_writes_reach_an_adapter_added_later_but_are_not_queued_without_one():
+    sm = make_sm([], slots=16)
+    try:
+        write(sm, [ObjectKey(b"\x01", "model", 0)])  # no L2: nothing to queue or wake for
+        assert sm.store_controllers[0].pending_count() == 0
+        a = ScriptedAdapter()
+        sm.add_l2_adapter(scripted(a))
+        write(sm, [ObjectKey(b"\x02", "model", 0)])
+        eventually(lambda: len(a.data) == 1)
+        assert sm.store_controllers[0].idle()
+    finally:
+        sm.close()

@@ -84,7 +84,9 @@ class StoreController(L1ManagerListener):
     # --- listener (inside the L1 lock: record and signal only) --------------------------------------
 
     def on_l1_keys_write_finished(self, keys: list[ObjectKey]) -> None:
-        if not keys:
+        # With no L2 adapter there is nowhere to store them: waking this loop per commit
+        # would only cost a thread switch (and a GIL hand-off) on every store.
+        if not keys or not len(self.registry):
             return
         with self._mu:
             self._incoming.extend(keys)
