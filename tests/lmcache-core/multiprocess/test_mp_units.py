@@ -202,7 +202,7 @@ def test_unlabelled_counters_reach_every_reader_and_reset_drops_them():
     m.inc("lmcache_mp_lookups_requests")
     assert m.value("lmcache_mp_lookups_requests") == 4
     assert m.value("lmcache_mp_request_errors", op="lookup", code="BAD_REQUEST") == 1
-    with pytest.raises(ValueError, match="can only grow"):
+    with pytest.raises(ValueError, match="only grow"):
         m.inc("lmcache_mp_lookups_requests", -1)
     with pytest.raises(KeyError):
         m.inc("lmcache_mp_no_such_counter")

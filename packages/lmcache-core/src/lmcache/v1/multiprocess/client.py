@@ -489,7 +489,9 @@ class MPClient:
 
     def _on_replies(self, replies: list[list[zmq.Frame]]) -> None:
         for frames in replies:
-            self._on_reply(frames)
+            claimed = self._claim(frames)
+            if claimed is not None:
+                claimed[0]._set(claimed[1])
 
     def _hold_fd(self) -> None:
         """This thread receives for itself now: keep the polling thread off the FD."""
@@ -645,11 +647,6 @@ class MPClient:
         if timeout is not None:
             timeout = max(0.0, timeout - (time.monotonic() - t0))
         return fut.result(timeout)
-
-    def _on_reply(self, frames: list[zmq.Frame]) -> None:
-        claimed = self._claim(frames)
-        if claimed is not None:
-            claimed[0]._set(claimed[1])
 
     def _claim(self, frames: list[zmq.Frame]) -> tuple[MPFuture, Any] | None:
         """Take the pending request a reply answers: (its future, the value to set), or None

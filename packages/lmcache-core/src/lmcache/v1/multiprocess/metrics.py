@@ -98,21 +98,19 @@ class ServerMetrics:
             c = self.counters[name]  # an unknown name or missing labels raise here
             (c.labels(**labels) if labels else c).inc(amount)
             return
-        if amount < 0:
-            raise ValueError(f"counter {name} can only grow (got {amount})")
-        # Unlabelled counters (a lookup bumps seven) add up here and reach prometheus when
-        # they are read: a dict update instead of a prometheus call each time.
-        with self._pending_lock:
-            self._pending[name] = self._pending.get(name, 0) + amount
+        self.inc_many({name: amount})
 
     def inc_many(self, amounts: dict[str, float]) -> None:
-        """``inc`` of several unlabelled counters at once (one lock round trip)."""
+        """``inc`` of several unlabelled counters at once. They add up here and reach
+        prometheus when read (``render``, ``value``): a lookup bumps seven, and a dict
+        update costs a fraction of a prometheus call."""
         if not self.enabled:
             return
         bad = [n for n, a in amounts.items() if n not in _UNLABELLED or a < 0]
         if bad:
             raise ValueError(
-                f"inc_many takes unlabelled counters and amounts >= 0 (got {bad[0]!r}: {amounts[bad[0]]})"
+                f"counter {bad[0]!r} cannot take {amounts[bad[0]]}: counters only grow, and "
+                "inc_many takes unlabelled counters (pass labels to inc for the others)"
             )
         with self._pending_lock:
             pending = self._pending

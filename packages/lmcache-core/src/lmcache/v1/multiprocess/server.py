@@ -201,8 +201,7 @@ class MPCacheServer:
         try:
             P.decode(uid_b)
             spec = self._supported_ops.get(op_b)
-            if spec is None:
-                op_val = P.decode(op_b)
+            op_val = None if spec is not None else P.decode(op_b)
         except Exception:
             self._fail(
                 peer,

@@ -13,7 +13,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from lmcache.v1.multiprocess.token_hasher import PrefixHashMemo, chunk_hashes, tokens_to_be_bytes
+from lmcache.v1.multiprocess.token_hasher import (
+    PrefixHashMemo,
+    chunk_hashes,
+    shared_chunks,
+    tokens_to_be_bytes,
+)
 
 
 class LookupJob:
@@ -74,13 +79,7 @@ class Session:
         n_full = (len(raw) // 4) // chunk_size
         step = chunk_size * 4
         old = self.token_bytes
-        limit = min(len(self.hashes), n_full)
-        if old[: limit * step] == raw[: limit * step]:  # the usual case: the same prompt again
-            keep = limit
-        else:
-            keep = 0
-            while old[keep * step : (keep + 1) * step] == raw[keep * step : (keep + 1) * step]:
-                keep += 1  # stops before limit: the whole span differs somewhere
+        keep = shared_chunks(old, raw, step, min(len(self.hashes), n_full))
         prefix = self.hashes[:keep]
         if memo is not None and keep < n_full:
             known = memo.known_prefix(raw)

@@ -73,6 +73,17 @@ def chunk_hashes(
     return out
 
 
+def shared_chunks(a: bytes, b: bytes, step: int, limit: int) -> int:
+    """How many whole ``step``-byte chunks ``a`` and ``b`` share from the start, at most
+    ``limit`` (both hold at least ``limit`` chunks). One comparison when all of them match."""
+    if a[: limit * step] == b[: limit * step]:
+        return limit
+    n = 0
+    while a[n * step : (n + 1) * step] == b[n * step : (n + 1) * step]:
+        n += 1  # stops before limit: the whole span differs somewhere
+    return n
+
+
 class PrefixHashMemo:
     """Chunk hashes of recently hashed token sequences, for any request to reuse.
 
@@ -107,11 +118,7 @@ class PrefixHashMemo:
             self._by_first.move_to_end(raw[:step])
             best: list[bytes] = []
             for seq, hashes in seqs:
-                n = min(len(hashes), len(raw) // step)
-                if seq[: n * step] != raw[: n * step]:
-                    n = 1  # the first chunk matched; find where they part
-                    while seq[n * step : (n + 1) * step] == raw[n * step : (n + 1) * step]:
-                        n += 1
+                n = shared_chunks(seq, raw, step, min(len(hashes), len(raw) // step))
                 if n > len(best):
                     best = hashes[:n]
             return best
