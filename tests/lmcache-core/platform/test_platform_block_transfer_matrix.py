@@ -33,7 +33,12 @@ def _fill(obj: torch.Tensor, value: int) -> None:
     obj.fill_(value)
 
 
-def _run(fmt, direction, pointer, skip, ids=IDS, kv_list_nested=True, bpo=BPO):
+def _one_storage(objs):
+    """The chunks as adjacent views of one buffer (slots of a pool)."""
+    return list(torch.stack(objs)) if objs else objs
+
+
+def _run(fmt, direction, pointer, skip, ids=IDS, kv_list_nested=True, bpo=BPO, pool=False):
     chunk = bpo * BS
     L = logical_kv(fmt, NL, NB, BS, NH, HS, seed=fmt)
     n_obj = -(-len(ids) // bpo)
@@ -41,6 +46,8 @@ def _run(fmt, direction, pointer, skip, ids=IDS, kv_list_nested=True, bpo=BPO):
     if direction == D2H:
         paged = make_paged(fmt, L, kv_list_nested)
         objs = [host_chunk(fmt, L, chunk, fill=7) for _ in range(n_obj)]
+        if pool:
+            objs = _one_storage(objs)
         operand = pointer_operands(fmt, paged) if pointer else paged
         obj_arg = [o.data_ptr() for o in objs] if pointer else objs
         multi_layer_block_kv_transfer(operand, obj_arg, ids, "cpu", D2H, sd, chunk, fmt, skip)
@@ -64,6 +71,8 @@ def _run(fmt, direction, pointer, skip, ids=IDS, kv_list_nested=True, bpo=BPO):
             take = min(bpo, len(ids) - i * bpo)
             o[:, :, : take * BS] = full[:, :, i * chunk : i * chunk + take * BS]
             objs.append(o)
+        if pool:
+            objs = _one_storage(objs)
         operand = pointer_operands(fmt, paged) if pointer else paged
         obj_arg = [o.data_ptr() for o in objs] if pointer else objs
         multi_layer_block_kv_transfer(operand, obj_arg, ids, "cpu", H2D, sd, chunk, fmt, skip)
@@ -116,6 +125,87 @@ def test_block_runs_all_formats(fmt, pointer, direction, monkeypatch):
             _run(fmt, direction, pointer, skip, ids=ids, bpo=8)
     assert calls, "no chunk took the block-run path"
     assert [r for r in calls if len(r) == 2 and r[1][1] == 4], "two runs in one chunk not seen"
+
+
+# Whole chunks whose blocks are one run and whose host chunks are adjacent slots of one
+# buffer move with one copy per layer group for all of them at once.
+POOL_IDS = [1, 2, 3, 4, 5, 6, 7]  # chunks [1,2] [3,4] [5,6] [7]
+
+
+@pytest.mark.parametrize("fmt", TENSOR_FORMATS, ids=lambda f: EngineKVFormat(f).name)
+@pytest.mark.parametrize("direction", [D2H, H2D], ids=["D2H", "H2D"])
+def test_adjacent_chunks_move_together_all_formats(fmt, direction, monkeypatch):
+    import lmcache.v1.platform.torch_ops._block as block
+
+    real, chunks_per_copy = block._copy_runs, []
+    monkeypatch.setattr(
+        block,
+        "_copy_runs",
+        lambda *a, **k: chunks_per_copy.append(a[1].shape[0]) or real(*a, **k),
+    )
+    # skip 1: chunk 0 alone (its second block), chunks 1-2 together; skip 2: chunks 1-2
+    for skip in (0, 1, 2, 3):
+        _run(fmt, direction, False, skip, ids=POOL_IDS, pool=True)
+    assert 3 in chunks_per_copy and 2 in chunks_per_copy, chunks_per_copy
+    # Not one run of blocks, or chunks apart in memory: chunk by chunk, same bytes.
+    chunks_per_copy.clear()
+    _run(fmt, direction, False, 0, ids=[1, 2, 3, 4, 6, 7, 8], pool=True)
+    _run(fmt, direction, False, 0, ids=POOL_IDS, pool=False)
+    assert set(chunks_per_copy) <= {1}
+
+
+def test_chunks_of_one_buffer_out_of_order_or_overlapping_go_one_by_one(monkeypatch):
+    import lmcache.v1.platform.torch_ops._block as block
+
+    chunks_per_copy = []
+    real = block._copy_runs
+    monkeypatch.setattr(
+        block, "_copy_runs", lambda *a, **k: chunks_per_copy.append(a[1].shape[0]) or real(*a, **k)
+    )
+    L = logical_kv(1, NL, NB, BS, NH, HS, seed=3)
+    paged, sd = make_paged(1, L), shape_desc(1, L)
+    ids = [1, 2, 3, 4]
+    exp = expected_rows(L, ids)
+    buf = torch.zeros(3, *host_chunk(1, L, CHUNK).shape, dtype=L.dtype)
+    # descending slots: chunk 0 in buf[1], chunk 1 in buf[0]
+    multi_layer_block_kv_transfer(paged, [buf[1], buf[0]], ids, "cpu", D2H, sd, CHUNK, 1, 0)
+    assert torch.equal(buf[1], exp[:, :, :CHUNK]) and torch.equal(buf[0], exp[:, :, CHUNK:])
+    # overlapping views of one buffer (the second starts one block row later)
+    a = buf[1]
+    b = buf.as_strided(a.shape, a.stride(), a.storage_offset() + BS * NH * HS)
+    multi_layer_block_kv_transfer(paged, [a, b], ids, "cpu", D2H, sd, CHUNK, 1, 0)
+    assert torch.equal(b, exp[:, :, CHUNK:])
+    assert 2 not in chunks_per_copy
+
+
+def test_layout_is_built_once_per_set_of_paged_tensors_and_follows_them(monkeypatch):
+    import gc
+
+    import lmcache.v1.platform.torch_ops._block as block
+
+    real, builds = block._build_layout, []
+    monkeypatch.setattr(block, "_build_layout", lambda *a: builds.append(1) or real(*a))
+    monkeypatch.setattr(block, "_LAYOUTS", {})
+    L = logical_kv(1, NL, NB, BS, NH, HS, seed=4)
+    paged, sd = make_paged(1, L), shape_desc(1, L)
+    for _ in range(3):
+        obj = host_chunk(1, L, CHUNK, fill=0)
+        multi_layer_block_kv_transfer(paged, [obj], [5, 6], "cpu", D2H, sd, CHUNK, 1, 0)
+        assert torch.equal(obj, expected_rows(L, [5, 6]))
+    assert len(builds) == 1
+    # A tensor given new storage in place: the layout follows it (writes land in the new one).
+    paged[0].set_(torch.zeros_like(paged[0]))
+    obj = host_chunk(1, L, CHUNK, fill=5)
+    multi_layer_block_kv_transfer(paged, [obj], [5, 6], "cpu", H2D, sd, CHUNK, 1, 0)
+    assert len(builds) == 2
+    assert bool((paged[0][:, 5:7] == 5).all()) and bool((paged[0][:, :5] == 0).all())
+    # A list of other tensors gets its own layout; freed tensors take their entry with them.
+    other = make_paged(1, L)
+    multi_layer_block_kv_transfer(other, [obj], [5, 6], "cpu", D2H, sd, CHUNK, 1, 0)
+    assert len(builds) == 3 and len(block._LAYOUTS) == 2
+    del paged, other
+    gc.collect()
+    assert not block._LAYOUTS
 
 
 @pytest.mark.parametrize("fmt", [4, 9])
