@@ -154,6 +154,16 @@ def test_bad_shm_name_is_refused_naming_the_flag(bad):
     assert "--shm-name" in str(exc.value) and "without '/'" in str(exc.value)
 
 
+@pytest.mark.parametrize("flag", ["--worker-reap-timeout-seconds", "--retrieve-lease-seconds"])
+def test_negative_durations_are_refused_naming_the_flag(flag):
+    from lmcache.cli.server import build_configs
+
+    with pytest.raises(CLIError, match=f"^{flag} must be >= 0 \\(got -1.0\\)$"):
+        build_configs(_parse(flag, "-1"))
+    mp_config, _storage = build_configs(_parse(flag, "0"))  # 0 turns each off
+    assert mp_config.retrieve_lease_seconds == (0 if flag == "--retrieve-lease-seconds" else 10)
+
+
 def test_one_leading_slash_is_accepted():
     from lmcache.cli.server import build_configs
     from lmcache.v1.distributed.l1_memory import normalize_shm_name

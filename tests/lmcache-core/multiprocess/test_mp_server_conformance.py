@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import pickle
@@ -233,8 +234,14 @@ def test_transfer_ops_are_timed_per_phase(srv_shm, mp):
     finally:
         ctx.close()
         c.close()
-    for ph, n in before.items():
-        assert mp.metric(srv_shm, "lmcache_mp_transfer_phase_seconds_count", phase=ph) == n + 1
+    for ph, n in before.items():  # commit_retrieve is not awaited: it may land just after
+        mp.wait_for(
+            lambda ph=ph, n=n: (
+                mp.metric(srv_shm, "lmcache_mp_transfer_phase_seconds_count", phase=ph) == n + 1
+            ),
+            f"{ph} timed once",
+            10,
+        )
 
 
 def test_lookup_unregistered_model_early_exit(srv, client, mp):
@@ -573,6 +580,103 @@ def test_reaping_discards_pending_shm_reservation(lmcache_server, mp):
         )
         # the model's layout stays dormant, so the lookup is a real miss, not an early exit
         assert mp.lookup_hits(c, model=model) == 0
+    finally:
+        ctx.close()
+        c.close()
+
+
+def _chunks_left_after_clear(c: MPClient, mp, model: str) -> int:
+    """Clear (locked chunks stay), then count the prompt's chunks still cached."""
+    c.call("clear")
+    rid = f"probe-{next(_models)}"
+    hits = mp.lookup_hits(c, model=model, rid=rid)
+    c.call("end_session", rid)  # the probe's own locks go with it
+    return hits
+
+
+def test_dropped_worker_keeps_its_shm_read_locked_for_the_lease(lmcache_server, mp):
+    lease = 8.0
+    srv = lmcache_server(
+        "--shm-name",
+        f"lease{os.getpid()}",
+        "--worker-reap-timeout-seconds",
+        "1",
+        "--worker-registration-grace-seconds",
+        "1",
+        "--retrieve-lease-seconds",
+        str(lease),
+    )
+    model = _model()
+    c, ctx = mp.worker(srv.rpc_url, mp.make_kv(), model=model)
+    try:
+        assert ctx.submit_store(mp.key("s", model=model), list(range(1, 33))).result(20)
+        assert mp.lookup_hits(c, model=model, rid="lease") == 2
+        asked = time.monotonic()
+        reply = c.call("prepare_retrieve", mp.key("lease", model=model), ctx.instance_id)
+        assert reply["success"] and reply["context"]["lease_s"] == lease
+        # The worker goes silent mid-copy and is reaped: its slots must not be reused while
+        # a copy started under the lease may still be reading them.
+        mp.wait_for(
+            lambda: ctx.instance_id not in mp.status(srv)["registered_non_cuda_instance_ids"],
+            "the silent worker reaped",
+            10,
+        )
+        left = _chunks_left_after_clear(c, mp, model)
+        if time.monotonic() - asked < lease - 1:  # still inside the lease when clear ran
+            assert left == 2
+        mp.wait_for(
+            lambda: _chunks_left_after_clear(c, mp, model) == 0,
+            "the read released when its lease ended",
+            30,
+            interval=0.5,
+        )
+    finally:
+        ctx.close()
+        c.close()
+
+
+@pytest.mark.parametrize("lease", ["10", "0"])
+def test_worker_awaits_commit_retrieve_only_without_a_running_lease(
+    lmcache_server, mp, monkeypatch, lease
+):
+    from lmcache.v1.multiprocess.transfer_context import worker_transfer
+
+    srv = lmcache_server("--shm-name", f"lw{lease}{os.getpid()}", "--retrieve-lease-seconds", lease)
+    model = _model()
+    kv = mp.make_kv()
+    c, ctx = mp.worker(srv.rpc_url, kv, model=model)
+    awaited, sent = [], []
+    real_call, real_submit = c.call, c.submit
+    monkeypatch.setattr(c, "call", lambda op, *a, **k: awaited.append(op) or real_call(op, *a, **k))
+    monkeypatch.setattr(c, "submit", lambda op, *a: sent.append(op) or real_submit(op, *a))
+    try:
+        assert ctx.mode == "SHM"
+        assert ctx.submit_store(mp.key("s", model=model), list(range(1, 33))).result(20)
+        for i, clock_jumps in enumerate((False, True)):
+            for t in kv:
+                t[:, 33:].zero_()  # blocks 33..63 take the retrieve
+            if clock_jumps:  # a copy that outlasts any lease (a stalled worker)
+                monkeypatch.setattr(
+                    worker_transfer,
+                    "_lease_clock",
+                    functools.partial(next, itertools.count(0, 1000)),
+                )
+            rid = f"lw-{i}-{model}"
+            assert mp.lookup_hits(c, model=model, rid=rid) == 2
+            awaited.clear(), sent.clear()
+            ids = [*range(33, 64), 0]  # the last block of the prompt lands in block 0
+            assert ctx.submit_retrieve(mp.key(rid, model=model), ids).result(20)
+            assert all(torch.equal(t[:, 33:64], t[:, 1:32]) for t in kv)
+            if lease != "0" and not clock_jumps:
+                assert "commit_retrieve" in sent and "commit_retrieve" not in awaited
+            else:
+                assert "commit_retrieve" in awaited
+        # Not awaited is still delivered: the server released the worker's read share.
+        mp.wait_for(
+            lambda: mp.metric(srv, "lmcache_mp_num_finished_retrieves_total") >= 2,
+            "both commits handled",
+            10,
+        )
     finally:
         ctx.close()
         c.close()

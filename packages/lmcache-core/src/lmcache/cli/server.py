@@ -161,6 +161,14 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         help="reap a never-pinging worker after this long (default 3600)",
     )
     g.add_argument(
+        "--retrieve-lease-seconds",
+        type=float,
+        default=10.0,
+        help="an engine-driven SHM read stays locked this long after prepare_retrieve even if "
+        "its worker is dropped, so workers need not await commit_retrieve (0 = they must; "
+        "default 10)",
+    )
+    g.add_argument(
         "--session-ttl-seconds",
         type=float,
         default=600.0,
@@ -286,6 +294,7 @@ def validate_args(args: argparse.Namespace) -> None:
         ("--worker-reap-timeout-seconds", args.worker_reap_timeout_seconds),
         ("--worker-registration-grace-seconds", args.worker_registration_grace_seconds),
         ("--session-ttl-seconds", args.session_ttl_seconds),
+        ("--retrieve-lease-seconds", args.retrieve_lease_seconds),
     ):
         if v < 0:
             raise CLIError(f"{flag} must be >= 0 (got {v})")
@@ -335,6 +344,7 @@ def build_configs(args: argparse.Namespace):
         worker_registration_grace_seconds=args.worker_registration_grace_seconds,
         session_ttl_seconds=args.session_ttl_seconds,
         l1_write_ttl_seconds=float(args.l1_write_ttl_seconds),
+        retrieve_lease_seconds=args.retrieve_lease_seconds,
         separate_object_groups=args.separate_object_groups,
         disable_metrics=bool(args.disable_metrics or args.disable_observability),
     )

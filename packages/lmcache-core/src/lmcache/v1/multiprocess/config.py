@@ -21,6 +21,9 @@ class MPServerConfig:
     worker_registration_grace_seconds: float = 3600.0
     session_ttl_seconds: float = 600.0
     l1_write_ttl_seconds: float = 600.0
+    # A worker's SHM read stays locked this long after prepare_retrieve even if the worker is
+    # dropped meanwhile, so a worker whose copy ends within it need not await commit_retrieve.
+    retrieve_lease_seconds: float = 10.0
     separate_object_groups: bool = False
     instance_id: str = field(default_factory=lambda: str(uuid.uuid4()))
     disable_metrics: bool = False

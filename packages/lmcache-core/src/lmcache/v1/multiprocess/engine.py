@@ -147,7 +147,8 @@ class Instance:
     last_seen: float = field(default_factory=time.monotonic)
     pinged: bool = False
     reservations: dict[tuple, Reservation] = field(default_factory=dict)
-    pending_reads: dict[tuple, list[Any]] = field(default_factory=dict)
+    # SHM reads between prepare_retrieve and commit_retrieve: (read-locked keys, when prepared)
+    pending_reads: dict[tuple, tuple[list[Any], float]] = field(default_factory=dict)
     kv_caches: list[torch.Tensor] = field(default_factory=list)
     layout_hints: dict[str, Any] = field(default_factory=dict)
     wrappers: list[Any] = field(default_factory=list)
@@ -193,6 +194,8 @@ class CacheEngine:
         self.layouts: dict[tuple[str, int], Layout] = {}
         self.instances: dict[int, Instance] = {}
         self._lock = threading.RLock()
+        # Reads of dropped workers whose lease is still running: (lease end, keys)
+        self._leased_reads: list[tuple[float, list[Any]]] = []
         self._warned_early_exit: set[tuple[str, int]] = set()
         self._lookup_waiters = ThreadPoolExecutor(8, thread_name_prefix="mp-lookup-wait")
         self._parker = _Parker()
@@ -500,8 +503,7 @@ class CacheEngine:
             reads, inst.pending_reads = inst.pending_reads, {}
         for res in reservations.values():
             self.storage.abort_write(list(res.objs))  # never admit half-written data (9.2)
-        for keys in reads.values():
-            self.storage.release_read(keys, 1)
+        self._release_after_lease(list(reads.values()))
         if inst.cache_context is not None:
             try:
                 inst.cache_context.close()
@@ -512,6 +514,27 @@ class CacheEngine:
         self._layout_release(inst.layout_key)
         logger.info("Instance %d (%s) removed: %s", instance_id, inst.mode, reason)
         return inst
+
+    def _release_after_lease(self, reads: list[tuple[list[Any], float]]) -> None:
+        """Release the read locks of a dropped worker's pending SHM reads once their lease
+        ends: a worker whose copy finished within it did not wait for commit_retrieve, so
+        its slots must not be reused before then."""
+        lease = self.config.retrieve_lease_seconds
+        now = time.monotonic()
+        for keys, prepared in reads:
+            if lease > 0 and now < prepared + lease:
+                with self._lock:
+                    self._leased_reads.append((prepared + lease, keys))
+            else:
+                self.storage.release_read(keys, 1)
+
+    def release_expired_leases(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            due = [keys for end, keys in self._leased_reads if end <= now]
+            self._leased_reads = [(end, k) for end, k in self._leased_reads if end > now]
+        for keys in due:
+            self.storage.release_read(keys, 1)
 
     def ping(self, ctx: RequestContext, instance_id: int | None = None):
         if instance_id is not None:
@@ -1021,7 +1044,10 @@ class CacheEngine:
                 self._release_worker_shares(key, keys)
             else:
                 with inst.lock:
-                    inst.pending_reads[(key.request_id, key.start, key.end, "failed")] = []
+                    inst.pending_reads[(key.request_id, key.start, key.end, "failed")] = (
+                        [],
+                        time.monotonic(),
+                    )
             return {"success": False, "data": b"", "context": {}}
         self.metrics.inc("lmcache_mp_l1_read_chunks", len(keys))
         self.metrics.inc("lmcache_mp_num_chunks_loaded", len(keys))
@@ -1036,8 +1062,12 @@ class CacheEngine:
                 for o in objs
             ]
             with inst.lock:
-                inst.pending_reads[(key.request_id, key.start, key.end)] = keys
-            return {"success": True, "data": b"", "context": {"slots": slots}}
+                inst.pending_reads[(key.request_id, key.start, key.end)] = (keys, time.monotonic())
+            context: dict[str, Any] = {"slots": slots}
+            lease = self.config.retrieve_lease_seconds
+            if lease > 0:  # a field 0.5.6 clients ignore; ours skip awaiting commit_retrieve
+                context["lease_s"] = lease
+            return {"success": True, "data": b"", "context": context}
         try:
             if codec_feature(ctx):
                 data = codec.encode_raw_v1([_obj_bytes(o, lay.nbytes) for o in objs])
@@ -1058,10 +1088,10 @@ class CacheEngine:
         inst = self._instance(instance_id, ENGINE_DRIVEN)
         rkey = (key.request_id, key.start, key.end)
         with inst.lock:
-            keys = inst.pending_reads.pop(rkey, None)
+            read = inst.pending_reads.pop(rkey, None)
             failed = inst.pending_reads.pop((*rkey, "failed"), None)
-        if keys is not None:
-            self._release_worker_shares(key, keys)
+        if read is not None:
+            self._release_worker_shares(key, read[0])
             self.metrics.inc("lmcache_mp_num_finished_retrieves")
             return True
         if failed is not None:
@@ -1100,6 +1130,7 @@ class CacheEngine:
                 logger.exception("session cleaner cycle failed")
 
     def clean_once(self) -> None:
+        self.release_expired_leases()
         for s in self.sessions.expired():
             with s.lock:
                 s.ended = True
@@ -1151,6 +1182,7 @@ class CacheEngine:
             if inst is not None:
                 logger.warning("Reaped instance %d (%s): silent for too long", iid, inst.mode)
                 self.metrics.inc("lmcache_mp_reaped_instances", mode=inst.mode)
+        self.release_expired_leases()
         return victims
 
     # ------------------------------------------------------------------ status

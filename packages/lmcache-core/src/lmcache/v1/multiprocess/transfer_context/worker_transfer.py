@@ -18,6 +18,7 @@ from __future__ import annotations
 import mmap
 import os
 import threading
+import time
 from typing import Any
 
 import torch
@@ -35,6 +36,7 @@ from lmcache.v1.multiprocess.transfer_context.base import (
 
 logger = init_logger(__name__)
 
+_lease_clock = time.monotonic  # what a retrieve's copy is timed with against the server's lease
 _MAP_REGION = 2 << 20  # granule in which the SHM pool is mapped into a worker before a copy
 _MAP_IDLE_PASSES = 4  # background mapping stops after this many passes that found nothing new
 # Mapped before registration returns (where the server has backed it): a fresh server hands
@@ -333,6 +335,7 @@ class EngineDrivenTransferContext(_BaseContext):
         ids = _flat_ids(block_ids)
         bpc = self.blocks_per_chunk
         n = (key.end - key.start) // self.chunk_size
+        asked = _lease_clock()
         reply = (
             self.client.call("prepare_retrieve", key, self.instance_id, timeout=self.timeout) or {}
         )
@@ -373,6 +376,18 @@ class EngineDrivenTransferContext(_BaseContext):
             except (RuntimeError, ValueError, TypeError, IndexError) as exc:
                 logger.error("engine-driven retrieve of %s failed: %s", key.request_id, exc)
                 ok = False
+        lease = float(ctx.get("lease_s") or 0)
+        if not ok or _lease_clock() - asked < lease:
+            # The server keeps the slots read-locked for the lease even if it drops this worker,
+            # so the copy is good without the reply: commit_retrieve only releases the locks.
+            # (A failed read has nothing to confirm.) Later requests of this client reach the
+            # server after it, in order.
+            self.client.submit("commit_retrieve", key, self.instance_id).add_done_callback(
+                _log_commit_failure
+            )
+            return MPFuture.resolved(ok, "retrieve")
+        # No lease (a 0.5.6 server) or the copy outlasted it: only the server knows whether
+        # the slots stayed ours throughout.
         committed = self.client.call("commit_retrieve", key, self.instance_id, timeout=self.timeout)
         return MPFuture.resolved(bool(ok and committed), "retrieve")
 
@@ -440,6 +455,13 @@ class LMCacheDrivenTransferContext(_BaseContext):
                 w.close()
             except Exception:
                 pass
+
+
+def _log_commit_failure(fut: MPFuture) -> None:
+    try:
+        fut.result(0)
+    except Exception as exc:  # the locks then expire on the server (l1 read TTL)
+        logger.warning("commit_retrieve failed: %s", exc)
 
 
 def _checked_event_backend(kv_caches: list[Any]) -> Any:
