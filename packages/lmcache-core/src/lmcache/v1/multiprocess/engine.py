@@ -522,6 +522,8 @@ class CacheEngine:
         lease = self.config.retrieve_lease_seconds
         now = time.monotonic()
         for keys, prepared in reads:
+            if not keys:  # a failed prepare: nothing was locked
+                continue
             if lease > 0 and now < prepared + lease:
                 with self._lock:
                     self._leased_reads.append((prepared + lease, keys))
