@@ -635,6 +635,28 @@ def test_dropped_worker_keeps_its_shm_read_locked_for_the_lease(lmcache_server, 
         c.close()
 
 
+def test_a_dropped_worker_releases_only_its_own_share_of_a_read(lmcache_server, mp):
+    # Two lookups hold a lock each; the worker reading under the first is dropped, then the
+    # first request ends: the second request's lock must survive both.
+    srv = lmcache_server("--shm-name", f"share{os.getpid()}", "--retrieve-lease-seconds", "0")
+    model = _model()
+    c, ctx = mp.worker(srv.rpc_url, mp.make_kv(), model=model)
+    try:
+        assert ctx.submit_store(mp.key("s", model=model), list(range(1, 33))).result(20)
+        assert mp.lookup_hits(c, model=model, rid="first") == 2
+        assert mp.lookup_hits(c, model=model, rid="second") == 2
+        reply = c.call("prepare_retrieve", mp.key("first", model=model), ctx.instance_id)
+        assert reply["success"] and "lease_s" not in reply["context"]
+        ctx.unregister()
+        c.call("end_session", "first")
+        assert _chunks_left_after_clear(c, mp, model) == 2  # "second" still holds them
+        c.call("end_session", "second")
+        assert _chunks_left_after_clear(c, mp, model) == 0
+    finally:
+        ctx.close()
+        c.close()
+
+
 @pytest.mark.parametrize("lease", ["10", "0"])
 def test_worker_awaits_commit_retrieve_only_without_a_running_lease(
     lmcache_server, mp, monkeypatch, lease

@@ -147,8 +147,11 @@ class Instance:
     last_seen: float = field(default_factory=time.monotonic)
     pinged: bool = False
     reservations: dict[tuple, Reservation] = field(default_factory=dict)
-    # SHM reads between prepare_retrieve and commit_retrieve: (read-locked keys, when prepared)
-    pending_reads: dict[tuple, tuple[list[Any], float]] = field(default_factory=dict)
+    # SHM reads between prepare_retrieve and commit_retrieve: (request key, its read-locked
+    # keys, when prepared)
+    pending_reads: dict[tuple, tuple[P.IPCCacheServerKey, list[Any], float]] = field(
+        default_factory=dict
+    )
     kv_caches: list[torch.Tensor] = field(default_factory=list)
     layout_hints: dict[str, Any] = field(default_factory=dict)
     wrappers: list[Any] = field(default_factory=list)
@@ -194,8 +197,8 @@ class CacheEngine:
         self.layouts: dict[tuple[str, int], Layout] = {}
         self.instances: dict[int, Instance] = {}
         self._lock = threading.RLock()
-        # Reads of dropped workers whose lease is still running: (lease end, keys)
-        self._leased_reads: list[tuple[float, list[Any]]] = []
+        # Reads of dropped workers whose lease is still running: (lease end, request key, keys)
+        self._leased_reads: list[tuple[float, P.IPCCacheServerKey, list[Any]]] = []
         self._warned_early_exit: set[tuple[str, int]] = set()
         self._lookup_waiters = ThreadPoolExecutor(8, thread_name_prefix="mp-lookup-wait")
         self._parker = _Parker()
@@ -515,28 +518,32 @@ class CacheEngine:
         logger.info("Instance %d (%s) removed: %s", instance_id, inst.mode, reason)
         return inst
 
-    def _release_after_lease(self, reads: list[tuple[list[Any], float]]) -> None:
-        """Release the read locks of a dropped worker's pending SHM reads once their lease
-        ends: a worker whose copy finished within it did not wait for commit_retrieve, so
-        its slots must not be reused before then."""
+    def _release_after_lease(
+        self, reads: list[tuple[P.IPCCacheServerKey, list[Any], float]]
+    ) -> None:
+        """Release a dropped worker's share of its pending SHM reads once their lease ends:
+        a worker whose copy finished within it did not wait for commit_retrieve, so its
+        slots must not be reused before then. Through the session's share count, as
+        commit_retrieve does, so a share that end_session already released is not released
+        again."""
         lease = self.config.retrieve_lease_seconds
         now = time.monotonic()
-        for keys, prepared in reads:
+        for key, keys, prepared in reads:
             if not keys:  # a failed prepare: nothing was locked
                 continue
             if lease > 0 and now < prepared + lease:
                 with self._lock:
-                    self._leased_reads.append((prepared + lease, keys))
+                    self._leased_reads.append((prepared + lease, key, keys))
             else:
-                self.storage.release_read(keys, 1)
+                self._release_worker_shares(key, keys)
 
     def release_expired_leases(self) -> None:
         now = time.monotonic()
         with self._lock:
-            due = [keys for end, keys in self._leased_reads if end <= now]
-            self._leased_reads = [(end, k) for end, k in self._leased_reads if end > now]
-        for keys in due:
-            self.storage.release_read(keys, 1)
+            due = [(key, keys) for end, key, keys in self._leased_reads if end <= now]
+            self._leased_reads = [r for r in self._leased_reads if r[0] > now]
+        for key, keys in due:
+            self._release_worker_shares(key, keys)
 
     def ping(self, ctx: RequestContext, instance_id: int | None = None):
         if instance_id is not None:
@@ -1047,6 +1054,7 @@ class CacheEngine:
             else:
                 with inst.lock:
                     inst.pending_reads[(key.request_id, key.start, key.end, "failed")] = (
+                        key,
                         [],
                         time.monotonic(),
                     )
@@ -1064,7 +1072,11 @@ class CacheEngine:
                 for o in objs
             ]
             with inst.lock:
-                inst.pending_reads[(key.request_id, key.start, key.end)] = (keys, time.monotonic())
+                inst.pending_reads[(key.request_id, key.start, key.end)] = (
+                    key,
+                    keys,
+                    time.monotonic(),
+                )
             context: dict[str, Any] = {"slots": slots}
             lease = self.config.retrieve_lease_seconds
             if lease > 0:  # a field 0.5.6 clients ignore; ours skip awaiting commit_retrieve
@@ -1093,7 +1105,7 @@ class CacheEngine:
             read = inst.pending_reads.pop(rkey, None)
             failed = inst.pending_reads.pop((*rkey, "failed"), None)
         if read is not None:
-            self._release_worker_shares(key, read[0])
+            self._release_worker_shares(key, read[1])
             self.metrics.inc("lmcache_mp_num_finished_retrieves")
             return True
         if failed is not None:
