@@ -657,6 +657,23 @@ def test_a_dropped_worker_releases_only_its_own_share_of_a_read(lmcache_server, 
         c.close()
 
 
+def test_end_session_during_an_shm_read_leaves_its_slots_locked_until_commit(srv_shm, mp):
+    model = _model()
+    c, ctx = mp.worker(srv_shm.rpc_url, mp.make_kv(), model=model)
+    try:
+        assert ctx.submit_store(mp.key("s", model=model), list(range(1, 33))).result(20)
+        assert mp.lookup_hits(c, model=model, rid="reading") == 2
+        key = mp.key("reading", model=model)
+        assert c.call("prepare_retrieve", key, ctx.instance_id)["success"]
+        c.call("end_session", "reading")  # the scheduler is done with the request ...
+        assert _chunks_left_after_clear(c, mp, model) == 2  # ... the worker still copies
+        assert c.call("commit_retrieve", key, ctx.instance_id) is True
+        assert _chunks_left_after_clear(c, mp, model) == 0
+    finally:
+        ctx.close()
+        c.close()
+
+
 @pytest.mark.parametrize("lease", ["10", "0"])
 def test_worker_awaits_commit_retrieve_only_without_a_running_lease(
     lmcache_server, mp, monkeypatch, lease

@@ -137,6 +137,17 @@ class Reservation:
 
 
 @dataclass
+class PendingRead:
+    """An SHM read between prepare_retrieve and commit_retrieve. It counts as an in-flight
+    retrieve of its session, so an end_session meanwhile leaves the slots locked."""
+
+    key: P.IPCCacheServerKey
+    keys: list[Any]  # read-locked by the request's lookup
+    prepared: float
+    session: Session | None
+
+
+@dataclass
 class Instance:
     instance_id: int
     mode: str
@@ -147,11 +158,8 @@ class Instance:
     last_seen: float = field(default_factory=time.monotonic)
     pinged: bool = False
     reservations: dict[tuple, Reservation] = field(default_factory=dict)
-    # SHM reads between prepare_retrieve and commit_retrieve: (request key, its read-locked
-    # keys, when prepared)
-    pending_reads: dict[tuple, tuple[P.IPCCacheServerKey, list[Any], float]] = field(
-        default_factory=dict
-    )
+    # SHM reads between prepare_retrieve and commit_retrieve
+    pending_reads: dict[tuple, PendingRead] = field(default_factory=dict)
     kv_caches: list[torch.Tensor] = field(default_factory=list)
     layout_hints: dict[str, Any] = field(default_factory=dict)
     wrappers: list[Any] = field(default_factory=list)
@@ -197,8 +205,8 @@ class CacheEngine:
         self.layouts: dict[tuple[str, int], Layout] = {}
         self.instances: dict[int, Instance] = {}
         self._lock = threading.RLock()
-        # Reads of dropped workers whose lease is still running: (lease end, request key, keys)
-        self._leased_reads: list[tuple[float, P.IPCCacheServerKey, list[Any]]] = []
+        # Reads of dropped workers whose lease is still running: (lease end, read)
+        self._leased_reads: list[tuple[float, PendingRead]] = []
         self._warned_early_exit: set[tuple[str, int]] = set()
         self._lookup_waiters = ThreadPoolExecutor(8, thread_name_prefix="mp-lookup-wait")
         self._parker = _Parker()
@@ -518,9 +526,7 @@ class CacheEngine:
         logger.info("Instance %d (%s) removed: %s", instance_id, inst.mode, reason)
         return inst
 
-    def _release_after_lease(
-        self, reads: list[tuple[P.IPCCacheServerKey, list[Any], float]]
-    ) -> None:
+    def _release_after_lease(self, reads: list[PendingRead]) -> None:
         """Release a dropped worker's share of its pending SHM reads once their lease ends:
         a worker whose copy finished within it did not wait for commit_retrieve, so its
         slots must not be reused before then. Through the session's share count, as
@@ -528,22 +534,24 @@ class CacheEngine:
         again."""
         lease = self.config.retrieve_lease_seconds
         now = time.monotonic()
-        for key, keys, prepared in reads:
-            if not keys:  # a failed prepare: nothing was locked
-                continue
-            if lease > 0 and now < prepared + lease:
+        for read in reads:
+            if lease > 0 and now < read.prepared + lease:
                 with self._lock:
-                    self._leased_reads.append((prepared + lease, key, keys))
+                    self._leased_reads.append((read.prepared + lease, read))
             else:
-                self._release_worker_shares(key, keys)
+                self._finish_read(read)
 
     def release_expired_leases(self) -> None:
         now = time.monotonic()
         with self._lock:
-            due = [(key, keys) for end, key, keys in self._leased_reads if end <= now]
+            due = [read for end, read in self._leased_reads if end <= now]
             self._leased_reads = [r for r in self._leased_reads if r[0] > now]
-        for key, keys in due:
-            self._release_worker_shares(key, keys)
+        for read in due:
+            self._finish_read(read)
+
+    def _finish_read(self, read: PendingRead) -> None:
+        self._release_worker_shares(read.key, read.keys)
+        self._retrieve_done(read.session)
 
     def ping(self, ctx: RequestContext, instance_id: int | None = None):
         if instance_id is not None:
@@ -1054,9 +1062,7 @@ class CacheEngine:
             else:
                 with inst.lock:
                     inst.pending_reads[(key.request_id, key.start, key.end, "failed")] = (
-                        key,
-                        [],
-                        time.monotonic(),
+                        PendingRead(key, [], time.monotonic(), None)
                     )
             return {"success": False, "data": b"", "context": {}}
         self.metrics.inc("lmcache_mp_l1_read_chunks", len(keys))
@@ -1072,10 +1078,8 @@ class CacheEngine:
                 for o in objs
             ]
             with inst.lock:
-                inst.pending_reads[(key.request_id, key.start, key.end)] = (
-                    key,
-                    keys,
-                    time.monotonic(),
+                inst.pending_reads[(key.request_id, key.start, key.end)] = PendingRead(
+                    key, keys, time.monotonic(), self._retrieve_begin(key.request_id)
                 )
             context: dict[str, Any] = {"slots": slots}
             lease = self.config.retrieve_lease_seconds
@@ -1105,7 +1109,7 @@ class CacheEngine:
             read = inst.pending_reads.pop(rkey, None)
             failed = inst.pending_reads.pop((*rkey, "failed"), None)
         if read is not None:
-            self._release_worker_shares(key, read[1])
+            self._finish_read(read)
             self.metrics.inc("lmcache_mp_num_finished_retrieves")
             return True
         if failed is not None:
