@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import os
@@ -585,6 +586,21 @@ def test_reaping_discards_pending_shm_reservation(lmcache_server, mp):
         c.close()
 
 
+@contextlib.contextmanager
+def _worker_with_stored_prompt(url: str, mp, kv=None):
+    """(client, context, model) of a registered SHM worker that stored mp.TOKENS (2 chunks
+    from blocks 1..32); both are closed afterwards."""
+    model = _model()
+    c, ctx = mp.worker(url, mp.make_kv() if kv is None else kv, model=model)
+    try:
+        assert ctx.mode == "SHM"
+        assert ctx.submit_store(mp.key("s", model=model), list(range(1, 33))).result(20)
+        yield c, ctx, model
+    finally:
+        ctx.close()
+        c.close()
+
+
 def _chunks_left_after_clear(c: MPClient, mp, model: str) -> int:
     """Clear (locked chunks stay), then count the prompt's chunks still cached."""
     c.call("clear")
@@ -606,10 +622,7 @@ def test_dropped_worker_keeps_its_shm_read_locked_for_the_lease(lmcache_server, 
         "--retrieve-lease-seconds",
         str(lease),
     )
-    model = _model()
-    c, ctx = mp.worker(srv.rpc_url, mp.make_kv(), model=model)
-    try:
-        assert ctx.submit_store(mp.key("s", model=model), list(range(1, 33))).result(20)
+    with _worker_with_stored_prompt(srv.rpc_url, mp) as (c, ctx, model):
         assert mp.lookup_hits(c, model=model, rid="lease") == 2
         asked = time.monotonic()
         reply = c.call("prepare_retrieve", mp.key("lease", model=model), ctx.instance_id)
@@ -630,19 +643,13 @@ def test_dropped_worker_keeps_its_shm_read_locked_for_the_lease(lmcache_server, 
             30,
             interval=0.5,
         )
-    finally:
-        ctx.close()
-        c.close()
 
 
 def test_a_dropped_worker_releases_only_its_own_share_of_a_read(lmcache_server, mp):
     # Two lookups hold a lock each; the worker reading under the first is dropped, then the
     # first request ends: the second request's lock must survive both.
     srv = lmcache_server("--shm-name", f"share{os.getpid()}", "--retrieve-lease-seconds", "0")
-    model = _model()
-    c, ctx = mp.worker(srv.rpc_url, mp.make_kv(), model=model)
-    try:
-        assert ctx.submit_store(mp.key("s", model=model), list(range(1, 33))).result(20)
+    with _worker_with_stored_prompt(srv.rpc_url, mp) as (c, ctx, model):
         assert mp.lookup_hits(c, model=model, rid="first") == 2
         assert mp.lookup_hits(c, model=model, rid="second") == 2
         reply = c.call("prepare_retrieve", mp.key("first", model=model), ctx.instance_id)
@@ -652,16 +659,10 @@ def test_a_dropped_worker_releases_only_its_own_share_of_a_read(lmcache_server, 
         assert _chunks_left_after_clear(c, mp, model) == 2  # "second" still holds them
         c.call("end_session", "second")
         assert _chunks_left_after_clear(c, mp, model) == 0
-    finally:
-        ctx.close()
-        c.close()
 
 
 def test_end_session_during_an_shm_read_leaves_its_slots_locked_until_commit(srv_shm, mp):
-    model = _model()
-    c, ctx = mp.worker(srv_shm.rpc_url, mp.make_kv(), model=model)
-    try:
-        assert ctx.submit_store(mp.key("s", model=model), list(range(1, 33))).result(20)
+    with _worker_with_stored_prompt(srv_shm.rpc_url, mp) as (c, ctx, model):
         assert mp.lookup_hits(c, model=model, rid="reading") == 2
         key = mp.key("reading", model=model)
         assert c.call("prepare_retrieve", key, ctx.instance_id)["success"]
@@ -669,9 +670,6 @@ def test_end_session_during_an_shm_read_leaves_its_slots_locked_until_commit(srv
         assert _chunks_left_after_clear(c, mp, model) == 2  # ... the worker still copies
         assert c.call("commit_retrieve", key, ctx.instance_id) is True
         assert _chunks_left_after_clear(c, mp, model) == 0
-    finally:
-        ctx.close()
-        c.close()
 
 
 @pytest.mark.parametrize("lease", ["10", "0"])
@@ -681,16 +679,14 @@ def test_worker_awaits_commit_retrieve_only_without_a_running_lease(
     from lmcache.v1.multiprocess.transfer_context import worker_transfer
 
     srv = lmcache_server("--shm-name", f"lw{lease}{os.getpid()}", "--retrieve-lease-seconds", lease)
-    model = _model()
     kv = mp.make_kv()
-    c, ctx = mp.worker(srv.rpc_url, kv, model=model)
-    awaited, sent = [], []
-    real_call, real_submit = c.call, c.submit
-    monkeypatch.setattr(c, "call", lambda op, *a, **k: awaited.append(op) or real_call(op, *a, **k))
-    monkeypatch.setattr(c, "submit", lambda op, *a: sent.append(op) or real_submit(op, *a))
-    try:
-        assert ctx.mode == "SHM"
-        assert ctx.submit_store(mp.key("s", model=model), list(range(1, 33))).result(20)
+    with _worker_with_stored_prompt(srv.rpc_url, mp, kv) as (c, ctx, model):
+        awaited, sent = [], []
+        real_call, real_submit = c.call, c.submit
+        monkeypatch.setattr(
+            c, "call", lambda op, *a, **k: awaited.append(op) or real_call(op, *a, **k)
+        )
+        monkeypatch.setattr(c, "submit", lambda op, *a: sent.append(op) or real_submit(op, *a))
         for i, clock_jumps in enumerate((False, True)):
             for t in kv:
                 t[:, 33:].zero_()  # blocks 33..63 take the retrieve
@@ -716,9 +712,6 @@ def test_worker_awaits_commit_retrieve_only_without_a_running_lease(
             "both commits handled",
             10,
         )
-    finally:
-        ctx.close()
-        c.close()
 
 
 # --- 25-27: CLI defaults, SHM, HTTP -------------------------------------------------------------
