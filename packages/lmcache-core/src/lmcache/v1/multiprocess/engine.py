@@ -541,7 +541,7 @@ class CacheEngine:
             else:
                 self._finish_read(read)
 
-    def release_expired_leases(self) -> None:
+    def _release_expired_leases(self) -> None:
         now = time.monotonic()
         with self._lock:
             due = [read for end, read in self._leased_reads if end <= now]
@@ -1148,7 +1148,7 @@ class CacheEngine:
                 logger.exception("session cleaner cycle failed")
 
     def clean_once(self) -> None:
-        self.release_expired_leases()
+        self._release_expired_leases()
         for s in self.sessions.expired():
             with s.lock:
                 s.ended = True
@@ -1200,7 +1200,7 @@ class CacheEngine:
             if inst is not None:
                 logger.warning("Reaped instance %d (%s): silent for too long", iid, inst.mode)
                 self.metrics.inc("lmcache_mp_reaped_instances", mode=inst.mode)
-        self.release_expired_leases()
+        self._release_expired_leases()
         return victims
 
     # ------------------------------------------------------------------ status
