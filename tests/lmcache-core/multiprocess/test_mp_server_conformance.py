@@ -671,6 +671,34 @@ def test_end_session_during_an_shm_read_leaves_its_slots_locked_until_commit(srv
         assert _chunks_left_after_clear(c, mp, model) == 0
 
 
+def test_a_session_expiring_during_an_shm_read_leaves_its_slots_locked_until_commit(
+    lmcache_server, mp
+):
+    srv = lmcache_server("--shm-name", f"ttl{os.getpid()}", "--session-ttl-seconds", "1")
+    with _worker_with_stored_prompt(srv.rpc_url, mp) as (c, ctx, model):
+        assert mp.lookup_hits(c, model=model, rid="idle") == 2
+        key = mp.key("idle", model=model)
+        assert c.call("prepare_retrieve", key, ctx.instance_id)["success"]
+        # The request goes idle past its TTL while the worker still copies ...
+        mp.wait_for(lambda: mp.status(srv)["active_sessions"] == 0, "the idle sessions expired")
+        assert _chunks_left_after_clear(c, mp, model) == 2
+        assert c.call("commit_retrieve", key, ctx.instance_id) is True  # ... until it is done
+        assert _chunks_left_after_clear(c, mp, model) == 0
+
+
+def test_a_read_of_an_ended_session_leaves_the_next_session_of_its_request_id_alone(srv_shm, mp):
+    with _worker_with_stored_prompt(srv_shm.rpc_url, mp) as (c, ctx, model):
+        assert mp.lookup_hits(c, model=model, rid="again") == 2
+        key = mp.key("again", model=model)
+        assert c.call("prepare_retrieve", key, ctx.instance_id)["success"]
+        c.call("end_session", "again")
+        assert mp.lookup_hits(c, model=model, rid="again") == 2  # a new session, new locks
+        assert c.call("commit_retrieve", key, ctx.instance_id) is True
+        assert _chunks_left_after_clear(c, mp, model) == 2  # the new session still holds them
+        c.call("end_session", "again")
+        assert _chunks_left_after_clear(c, mp, model) == 0
+
+
 @pytest.mark.parametrize("lease", ["3600", "0"])
 def test_worker_awaits_commit_retrieve_only_without_a_running_lease(
     lmcache_server, mp, monkeypatch, lease

@@ -550,7 +550,7 @@ class CacheEngine:
             self._finish_read(read)
 
     def _finish_read(self, read: PendingRead) -> None:
-        self._release_worker_shares(read.key, read.keys)
+        self._release_worker_shares(read.session, read.key, read.keys)
         self._retrieve_done(read.session)
 
     def ping(self, ctx: RequestContext, instance_id: int | None = None):
@@ -767,9 +767,12 @@ class CacheEngine:
                 session.shares[(chunk, rank)] = n - 1
             return True
 
-    def _release_worker_shares(self, key: P.IPCCacheServerKey, keys: list[Any]) -> None:
-        """One share per key of this worker's rank, each at most once per lookup share."""
-        session = self.sessions.get(key.request_id, refresh=False)
+    def _release_worker_shares(
+        self, session: Session | None, key: P.IPCCacheServerKey, keys: list[Any]
+    ) -> None:
+        """One share per key of this worker's rank, each at most once per lookup share, taken
+        from the session the read began in (a later session of the same request id has
+        shares of its own)."""
         first = key.start // self.cs
         rank = key.worker_id or 0
         owed = [k for j, k in enumerate(keys) if self._take_share(session, first + j, rank)]
@@ -780,12 +783,7 @@ class CacheEngine:
         if session is None:
             return None
         with session.lock:
-            session.ended = True
-            job = session.job
-            inflight = session.inflight_retrieves
             info, hashes = session.key_info, list(session.hashes)
-        if job is not None and not job.is_done:
-            job.superseded = True
         if info is not None and hashes:  # refresh the LRU position of every key of the request
             model, ws, salt = info
             k = P.IPCCacheServerKey(
@@ -799,9 +797,21 @@ class CacheEngine:
                 cache_salt=salt,
             )
             self.storage.touch([x for row in fan_out_keys(k, hashes, 0, len(hashes)) for x in row])
+        self._close_session(session)
+        return None
+
+    def _close_session(self, session: Session) -> None:
+        """End a session (end_session, or its TTL ran out): a lookup still running is
+        superseded, and its shares are freed now, or by the last retrieve still copying
+        from them (``_retrieve_done``)."""
+        with session.lock:
+            session.ended = True
+            job = session.job
+            inflight = session.inflight_retrieves
+        if job is not None and not job.is_done:
+            job.superseded = True
         if inflight == 0:
             self._free_range(session, 0, 1 << 62)
-        return None
 
     def _retrieve_done(self, session: Session | None) -> None:
         if session is None:
@@ -812,11 +822,9 @@ class CacheEngine:
         if release:
             self._free_range(session, 0, 1 << 62)
 
-    def _retrieve_begin(self, request_id: str) -> Session | None:
-        session = self.sessions.get(request_id)
-        if session is not None:
-            with session.lock:
-                session.inflight_retrieves += 1
+    def _retrieve_begin(self, session: Session) -> Session:
+        with session.lock:
+            session.inflight_retrieves += 1
         return session
 
     # ------------------------------------------------------------------ writes
@@ -1010,8 +1018,8 @@ class CacheEngine:
     ):
         self._require_mode(LMCACHE_DRIVEN)
         self.metrics.inc("lmcache_mp_num_submitted_retrieves")
-        _session, keys = self._own_keys(key)
-        session = self._retrieve_begin(key.request_id)
+        session, keys = self._own_keys(key)
+        self._retrieve_begin(session)
         try:
             inst = self.instances.get(instance_id)
             if inst is None or inst.mode != LMCACHE_DRIVEN:
@@ -1046,19 +1054,19 @@ class CacheEngine:
             logger.error("retrieve for instance %d failed: %s", instance_id, exc)
             return (b"", False)
         finally:
-            self._release_worker_shares(key, keys)  # exactly one share per key, success or not
+            self._release_worker_shares(session, key, keys)  # one share per key, success or not
             self._retrieve_done(session)
 
     def prepare_retrieve(self, ctx: RequestContext, key: P.IPCCacheServerKey, instance_id: int):
         inst = self._instance(instance_id, ENGINE_DRIVEN)
-        _session, keys = self._own_keys(key)
+        session, keys = self._own_keys(key)
         self.metrics.inc("lmcache_mp_num_submitted_retrieves")
         lay = self.layouts[inst.layout_key]
         objs = self.storage.read_locked(keys)
         if objs is None:
             self.metrics.inc("lmcache_mp_l1_read_failure_chunks", len(keys))
             if inst.strategy != "shm":
-                self._release_worker_shares(key, keys)
+                self._release_worker_shares(session, key, keys)
             else:
                 with inst.lock:
                     inst.pending_reads[(key.request_id, key.start, key.end, "failed")] = (
@@ -1079,7 +1087,7 @@ class CacheEngine:
             ]
             with inst.lock:
                 inst.pending_reads[(key.request_id, key.start, key.end)] = PendingRead(
-                    key, keys, time.monotonic(), self._retrieve_begin(key.request_id)
+                    key, keys, time.monotonic(), self._retrieve_begin(session)
                 )
             context: dict[str, Any] = {"slots": slots}
             lease = self.config.retrieve_lease_seconds
@@ -1098,7 +1106,7 @@ class CacheEngine:
                 data = codec.pickle_tensors([_obj_tensor(o, lay) for o in objs])
                 context = {}
         finally:
-            self._release_worker_shares(key, keys)
+            self._release_worker_shares(session, key, keys)
         self.metrics.inc("lmcache_mp_num_finished_retrieves")
         return {"success": True, "data": data, "context": context}
 
@@ -1114,8 +1122,8 @@ class CacheEngine:
             return True
         if failed is not None:
             try:
-                _s, own = self._own_keys(key)
-                self._release_worker_shares(key, own)
+                session, own = self._own_keys(key)
+                self._release_worker_shares(session, key, own)
             except RequestError:
                 pass
             return False
@@ -1150,12 +1158,7 @@ class CacheEngine:
     def clean_once(self) -> None:
         self._release_expired_leases()
         for s in self.sessions.expired():
-            with s.lock:
-                s.ended = True
-                job = s.job
-            if job is not None and not job.is_done:
-                job.superseded = True
-            self._free_range(s, 0, 1 << 62)
+            self._close_session(s)
         ttl = self.config.l1_write_ttl_seconds
         cutoff = time.monotonic() - ttl
         for inst in list(self.instances.values()):
