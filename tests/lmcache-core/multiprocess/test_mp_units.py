@@ -302,3 +302,15 @@ def test_session_hashes_reuse_other_requests_prefix_and_stay_right(monkeypatch):
     calls.clear()
     assert Session("c").hashes_for(edited, cs, memo) == expected[2]
     assert len(calls) == 5  # chunks 0-2 are shared; 3-7 differ
+
+
+def test_client_sends_ops_by_legacy_id_and_anything_else_as_given():
+    from lmcache.v1.multiprocess.client import _op_info
+
+    noop = P.OPS_BY_NAME["noop"]
+    assert _op_info("noop") == _op_info(noop.legacy_id) == ("noop", P.encode(noop.legacy_id))
+    named = next(s for s in P.OPS if s.legacy_id is None)
+    assert _op_info(named.name) == (named.name, P.encode(named.name))
+    assert _op_info(True) == ("True", P.encode(True))  # not op 1, although True == 1
+    assert _op_info(999) == ("999", P.encode(999))
+    assert _op_info("no_such_op") == ("no_such_op", P.encode("no_such_op"))

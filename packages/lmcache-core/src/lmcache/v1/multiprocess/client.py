@@ -54,9 +54,13 @@ _PENDING = object()
 # A synchronous waiter receives in its own thread for at most this long (see _wait_fast).
 _FAST_WAIT_S = 0.005
 _FAST_SLICE_S = 0.001
-# Op frames never change: encode them once.
-_OP_FRAMES: dict[Any, bytes] = {
-    P.op_wire_value(spec): P.encode(P.op_wire_value(spec)) for spec in P.OPS
+# (name, op frame) of every op, by name and by legacy id: op frames never change, and a
+# call looks its op up once (one dict lookup on the round trip's hot path).
+_OP_INFO: dict[str | int, tuple[str, bytes]] = {
+    k: (spec.name, P.encode(P.op_wire_value(spec)))
+    for spec in P.OPS
+    for k in (spec.name, spec.legacy_id)
+    if k is not None
 }
 # A call that owns the socket blocks in ZeroMQ's own receive for at most this long at a time,
 # then sends what other threads queued meanwhile (the socket's RCVTIMEO, in ms).
@@ -65,9 +69,10 @@ _OWNED_SLICE_MS = 1
 
 def _op_info(op: str | int) -> tuple[str, bytes]:
     """(name, op frame) of an op given by name or legacy id; an unknown op is sent as given."""
-    spec = P.lookup_op(op)
-    wire_op = P.op_wire_value(spec) if spec is not None else op
-    return (spec.name if spec else str(op)), (_OP_FRAMES.get(wire_op) or P.encode(wire_op))
+    info = _OP_INFO.get(op)
+    if info is not None and type(op) is not bool:  # True == 1 as a dict key
+        return info
+    return str(op), P.encode(op)
 
 
 class _TokenBytesMemo:
@@ -595,7 +600,8 @@ class MPClient:
         mine = None
         fut = None
         try:
-            self._flush(sock)  # requests other threads queued first: per-client FIFO
+            if self._outq:
+                self._flush(sock)  # requests other threads queued first: per-client FIFO
             send_frames(sock, frames)  # a failure raises here, to this caller
             end = t0 + budget
             while mine is None and not self._closed:
@@ -626,8 +632,9 @@ class MPClient:
                         self._pending[uid] = (fut, op_bytes)
             # Replies to other requests leave the pending table now (their futures are set
             # once the socket is let go), so they do not count as still awaited below.
-            claimed = [c for c in map(self._claim, others) if c is not None]
-            self._flush(sock)
+            claimed = [c for c in map(self._claim, others) if c is not None] if others else []
+            if self._outq:
+                self._flush(sock)
             if self._pending:
                 # Someone may wait through the FD (the polling thread or _wait_fast): drain
                 # to "no input" so it signals the next reply. Otherwise the next sender
