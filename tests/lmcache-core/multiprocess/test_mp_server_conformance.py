@@ -699,6 +699,25 @@ def test_a_read_of_an_ended_session_leaves_the_next_session_of_its_request_id_al
         assert _chunks_left_after_clear(c, mp, model) == 0
 
 
+def test_a_failed_read_of_an_ended_session_leaves_the_next_session_alone(srv_shm, mp):
+    model = _model()
+    c, ctx = mp.worker(srv_shm.rpc_url, mp.make_kv(), model=model)
+    try:
+        assert ctx.submit_store(mp.key("a", model=model, end=256), list(range(1, 17))).result(20)
+        assert mp.lookup_hits(c, model=model, rid="half") == 1
+        key = mp.key("half", model=model)  # both chunks: the second is missing
+        assert c.call("prepare_retrieve", key, ctx.instance_id)["success"] is False
+        c.call("end_session", "half")
+        assert mp.lookup_hits(c, model=model, rid="half") == 1
+        assert c.call("commit_retrieve", key, ctx.instance_id) is False
+        assert _chunks_left_after_clear(c, mp, model) == 1  # the new session still holds it
+        c.call("end_session", "half")
+        assert _chunks_left_after_clear(c, mp, model) == 0
+    finally:
+        ctx.close()
+        c.close()
+
+
 @pytest.mark.parametrize("lease", ["3600", "0"])
 def test_worker_awaits_commit_retrieve_only_without_a_running_lease(
     lmcache_server, mp, monkeypatch, lease

@@ -138,13 +138,15 @@ class Reservation:
 
 @dataclass
 class PendingRead:
-    """An SHM read between prepare_retrieve and commit_retrieve. It counts as an in-flight
-    retrieve of its session, so an end_session meanwhile leaves the slots locked."""
+    """An SHM read between prepare_retrieve and commit_retrieve. A worker that copies counts
+    as an in-flight retrieve of its session, so an end_session meanwhile leaves the slots
+    locked. A failed prepare (``copying`` False) still owes its worker's lookup shares."""
 
     key: P.IPCCacheServerKey
     keys: list[Any]  # read-locked by the request's lookup
     prepared: float
-    session: Session | None
+    session: Session
+    copying: bool = True
 
 
 @dataclass
@@ -551,7 +553,8 @@ class CacheEngine:
 
     def _finish_read(self, read: PendingRead) -> None:
         self._release_worker_shares(read.session, read.key, read.keys)
-        self._retrieve_done(read.session)
+        if read.copying:
+            self._retrieve_done(read.session)
 
     def ping(self, ctx: RequestContext, instance_id: int | None = None):
         if instance_id is not None:
@@ -753,9 +756,7 @@ class CacheEngine:
         for n, keys in by_n.items():
             self.storage.release_read(keys, n)
 
-    def _take_share(self, session: Session | None, chunk: int, rank: int) -> bool:
-        if session is None:
-            return False
+    def _take_share(self, session: Session, chunk: int, rank: int) -> bool:
         with session.lock:
             n = session.shares.get((chunk, rank), 0)
             if n <= 0:
@@ -768,7 +769,7 @@ class CacheEngine:
             return True
 
     def _release_worker_shares(
-        self, session: Session | None, key: P.IPCCacheServerKey, keys: list[Any]
+        self, session: Session, key: P.IPCCacheServerKey, keys: list[Any]
     ) -> None:
         """One share per key of this worker's rank, each at most once per lookup share, taken
         from the session the read began in (a later session of the same request id has
@@ -813,9 +814,7 @@ class CacheEngine:
         if inflight == 0:
             self._free_range(session, 0, 1 << 62)
 
-    def _retrieve_done(self, session: Session | None) -> None:
-        if session is None:
-            return
+    def _retrieve_done(self, session: Session) -> None:
         with session.lock:
             session.inflight_retrieves -= 1
             release = session.ended and session.inflight_retrieves == 0
@@ -1070,7 +1069,7 @@ class CacheEngine:
             else:
                 with inst.lock:
                     inst.pending_reads[(key.request_id, key.start, key.end, "failed")] = (
-                        PendingRead(key, [], time.monotonic(), None)
+                        PendingRead(key, keys, time.monotonic(), session, copying=False)
                     )
             return {"success": False, "data": b"", "context": {}}
         self.metrics.inc("lmcache_mp_l1_read_chunks", len(keys))
@@ -1121,11 +1120,7 @@ class CacheEngine:
             self.metrics.inc("lmcache_mp_num_finished_retrieves")
             return True
         if failed is not None:
-            try:
-                session, own = self._own_keys(key)
-                self._release_worker_shares(session, key, own)
-            except RequestError:
-                pass
+            self._finish_read(failed)
             return False
         return inst.strategy != "shm"
 
