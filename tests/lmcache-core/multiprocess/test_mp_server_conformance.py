@@ -644,6 +644,23 @@ def test_dropped_worker_keeps_its_shm_read_locked_for_the_lease(lmcache_server, 
             )
 
 
+def test_a_dropped_worker_releases_the_shares_of_its_failed_read(srv_shm, mp):
+    model = _model()
+    c, ctx = mp.worker(srv_shm.rpc_url, mp.make_kv(), model=model)
+    c2, ctx2 = mp.worker(srv_shm.rpc_url, mp.make_kv(), model=model)  # keeps the model known
+    try:
+        assert ctx.submit_store(mp.key("a", model=model, end=256), list(range(1, 17))).result(20)
+        assert mp.lookup_hits(c, model=model, rid="fails") == 1
+        key = mp.key("fails", model=model)  # both chunks: the second is missing
+        assert c.call("prepare_retrieve", key, ctx.instance_id)["success"] is False
+        assert _chunks_left_after_clear(c, mp, model) == 1  # the worker owes its share
+        ctx.unregister()  # ... and goes away without commit_retrieve: nothing copies, so
+        assert _chunks_left_after_clear(c2, mp, model) == 0  # no lease keeps it locked
+    finally:
+        for x in (ctx, c, ctx2, c2):
+            x.close()
+
+
 def test_a_dropped_worker_releases_only_its_own_share_of_a_read(lmcache_server, mp):
     # Two lookups hold a lock each; the worker reading under the first is dropped, then the
     # first request ends: the second request's lock must survive both.

@@ -529,15 +529,16 @@ class CacheEngine:
         return inst
 
     def _release_after_lease(self, reads: list[PendingRead]) -> None:
-        """Release a dropped worker's share of its pending SHM reads once their lease ends:
-        a worker whose copy finished within it did not wait for commit_retrieve, so its
-        slots must not be reused before then. Through the session's share count, as
+        """Release a dropped worker's share of its pending SHM reads once their lease ends
+        (a failed read's at once: nothing copies from it): a worker whose copy finished
+        within the lease did not wait for commit_retrieve, so its slots must not be reused
+        before then. Through the session's share count, as
         commit_retrieve does, so a share that end_session already released is not released
         again."""
         lease = self.config.retrieve_lease_seconds
         now = time.monotonic()
         for read in reads:
-            if lease > 0 and now < read.prepared + lease:
+            if read.copying and lease > 0 and now < read.prepared + lease:
                 with self._lock:
                     self._leased_reads.append((read.prepared + lease, read))
             else:
