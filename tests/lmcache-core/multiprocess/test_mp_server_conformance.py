@@ -677,29 +677,23 @@ def test_a_dropped_worker_releases_only_its_own_share_of_a_read(lmcache_server, 
         assert _chunks_left_after_clear(c, mp, model) == 0
 
 
-def test_end_session_during_an_shm_read_leaves_its_slots_locked_until_commit(srv_shm, mp):
-    with _worker_with_stored_prompt(srv_shm.rpc_url, mp) as (c, ctx, model):
+@pytest.mark.parametrize("ended_by", ["end_session", "ttl"])
+def test_a_session_ending_during_an_shm_read_leaves_its_slots_locked_until_commit(
+    lmcache_server, mp, ended_by
+):
+    ttl = "2" if ended_by == "ttl" else "600"
+    srv = lmcache_server("--shm-name", f"{ended_by}{os.getpid()}", "--session-ttl-seconds", ttl)
+    with _worker_with_stored_prompt(srv.rpc_url, mp) as (c, ctx, model):
         assert mp.lookup_hits(c, model=model, rid="reading") == 2
         key = mp.key("reading", model=model)
         assert c.call("prepare_retrieve", key, ctx.instance_id)["success"]
-        c.call("end_session", "reading")  # the scheduler is done with the request ...
+        # The scheduler is done with the request, or it went idle past its TTL ...
+        if ended_by == "end_session":
+            c.call("end_session", "reading")
+        else:
+            mp.wait_for(lambda: mp.status(srv)["active_sessions"] == 0, "the sessions expired")
         assert _chunks_left_after_clear(c, mp, model) == 2  # ... the worker still copies
         assert c.call("commit_retrieve", key, ctx.instance_id) is True
-        assert _chunks_left_after_clear(c, mp, model) == 0
-
-
-def test_a_session_expiring_during_an_shm_read_leaves_its_slots_locked_until_commit(
-    lmcache_server, mp
-):
-    srv = lmcache_server("--shm-name", f"ttl{os.getpid()}", "--session-ttl-seconds", "1")
-    with _worker_with_stored_prompt(srv.rpc_url, mp) as (c, ctx, model):
-        assert mp.lookup_hits(c, model=model, rid="idle") == 2
-        key = mp.key("idle", model=model)
-        assert c.call("prepare_retrieve", key, ctx.instance_id)["success"]
-        # The request goes idle past its TTL while the worker still copies ...
-        mp.wait_for(lambda: mp.status(srv)["active_sessions"] == 0, "the idle sessions expired")
-        assert _chunks_left_after_clear(c, mp, model) == 2
-        assert c.call("commit_retrieve", key, ctx.instance_id) is True  # ... until it is done
         assert _chunks_left_after_clear(c, mp, model) == 0
 
 
