@@ -377,8 +377,8 @@ class MPCacheServer:
             self.metrics.observe(
                 "lmcache_mp_transfer_phase_seconds", time.perf_counter() - t0, phase=spec.name
             )
-        if not ctx.deferred:
-            ctx.reply(result)
+        if not ctx.deferred:  # no one else holds ctx: reply without its once-only guard
+            self._reply(ctx.peer, uid_b, op_b, result, ctx.features)
 
     def _reply(
         self, peer: bytes, uid_b: bytes, op_b: bytes, value: Any, features: frozenset[str]
