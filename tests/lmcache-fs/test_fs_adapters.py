@@ -32,6 +32,22 @@ def test_types_registered_through_entry_point():
     assert get_type_name_for_config(FSNativeL2AdapterConfig(base_path="/x")) == "fs_native"
 
 
+def test_start_up_scan_leaves_files_of_a_running_store_to_that_store(
+    h, fs_type, adapters, tmp_path
+):
+    # The scan runs while the first stores do; a file it finds for a store still in flight
+    # is that store's to count (its result's bytes, and the size it charges).
+    a = h.build(fs_type, base_path=str(tmp_path))
+    adapters.append(a)
+    record_scanned = a.record_known_keys if fs_type == "fs_native" else a._on_recovered
+    keys = [h.key(i) for i in range(3)]
+    objs = [h.make_obj(n, seed=i) for i, n in enumerate([10, 4096, 100_000])]
+    # What a scan racing the store would report (sizes it cannot know yet):
+    res = h.store(a, keys, objs, while_running=lambda: record_scanned(keys, [1, 1, 1]))
+    assert res.is_successful() and res.bytes_transferred() == 10 + 4096 + 100_000
+    assert a.get_usage().total_bytes_used == 10 + 4096 + 100_000
+
+
 def test_round_trip_unequal_sizes(h, fs_type, adapters, tmp_path):
     a = h.build(fs_type, base_path=str(tmp_path))
     adapters.append(a)

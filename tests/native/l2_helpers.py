@@ -67,8 +67,18 @@ def _wait(fd: int, poll: Callable[[], Any], timeout: float) -> Any:
         select.select([fd], [], [], min(left, 0.2))
 
 
-def store(adapter: Any, keys: list[ObjectKey], objs: list[Any], timeout: float = 20) -> Any:
+def store(
+    adapter: Any,
+    keys: list[ObjectKey],
+    objs: list[Any],
+    timeout: float = 20,
+    while_running: Callable[[], Any] | None = None,
+) -> Any:
+    """Store and wait for the result; ``while_running`` is called right after submitting
+    (the store is usually still in flight then)."""
     tid = adapter.submit_store_task(keys, objs)
+    if while_running is not None:
+        while_running()
     done: dict[int, Any] = {}
 
     def poll() -> Any:

@@ -6,6 +6,7 @@ key); completions are signalled through three event notifiers.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import os
 import threading
@@ -86,6 +87,9 @@ class FSL2Adapter(L2AdapterInterface):
         self._lookup_results: dict[L2TaskId, Bitmap] = {}
         self._load_results: dict[L2TaskId, Bitmap] = {}
         self._sizes: dict[ObjectKey, int] = {}  # keys counted in usage, with their sizes
+        # Keys of stores not finished yet: the start-up scan leaves files it finds for them to
+        # the store, which counts and reports them itself.
+        self._storing: collections.Counter[ObjectKey] = collections.Counter()
         self._locks: dict[ObjectKey, TTLLock] = {}
         self._deleting: set[ObjectKey] = set()
         self._closed = False
@@ -138,7 +142,11 @@ class FSL2Adapter(L2AdapterInterface):
 
     def _on_recovered(self, keys: list[ObjectKey], sizes: list[int]) -> None:
         with self._lock:
-            fresh = [(k, s) for k, s in zip(keys, sizes, strict=False) if k not in self._sizes]
+            fresh = [
+                (k, s)
+                for k, s in zip(keys, sizes, strict=False)
+                if k not in self._sizes and k not in self._storing
+            ]
             for k, s in fresh:
                 self._sizes[k] = s
         if fresh:
@@ -167,6 +175,8 @@ class FSL2Adapter(L2AdapterInterface):
             self._finish_store(tid, [], _Batch(0))
             return tid
         batch = _Batch(len(keys))
+        with self._lock:
+            self._storing.update(keys)
         for i, (key, obj) in enumerate(zip(keys, objects, strict=False)):
             self._submit(self._store_one, tid, keys, batch, i, key, obj)
         return tid
@@ -193,6 +203,10 @@ class FSL2Adapter(L2AdapterInterface):
     def _finish_store(self, tid: L2TaskId, keys: list[ObjectKey], batch: _Batch) -> None:
         new: list[tuple[ObjectKey, int]] = []
         with self._lock:
+            self._storing.subtract(keys)
+            for key in set(keys):
+                if self._storing[key] <= 0:
+                    del self._storing[key]
             for key, n in zip(keys, batch.new_bytes, strict=False):
                 if n > 0 and key not in self._sizes:
                     self._sizes[key] = n

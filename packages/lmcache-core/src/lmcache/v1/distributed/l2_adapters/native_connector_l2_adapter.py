@@ -25,6 +25,7 @@ Subclasses that discover existing keys (a start-up directory scan) use the publi
 
 from __future__ import annotations
 
+import collections
 import select
 import threading
 import time
@@ -87,6 +88,9 @@ class NativeConnectorL2Adapter(L2AdapterInterface):
         self._pending: dict[int, _Pending] = {}
         self._local_future = -1  # negative ids for work completed without the connector
         self._known: dict[ObjectKey, int] = {}  # stored key -> size charged
+        # Keys of stores not routed yet: a start-up scan that finds their files meanwhile
+        # leaves them to the store, which charges and reports them itself.
+        self._storing: collections.Counter[ObjectKey] = collections.Counter()
         self._locks = KeyLockTable()
         self._store_n, self._lookup_n, self._load_n = (create_event_notifier() for _ in range(3))
         self._store_done = OnceResults()
@@ -148,6 +152,8 @@ class NativeConnectorL2Adapter(L2AdapterInterface):
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"{self._type_name} L2 adapter is closed")
+            if op == "store":
+                self._storing.update(keys)
             try:
                 if op == "store":
                     fid = self._client.submit_batch_set(names, views)
@@ -178,15 +184,18 @@ class NativeConnectorL2Adapter(L2AdapterInterface):
     def _route(self, p: _Pending, ok: bool, bools: list[bool] | None) -> None:
         if p.op == "store":
             new_keys, new_sizes, old_keys = [], [], []
-            if ok:
-                with self._lock:
-                    for k, s in zip(p.keys, p.sizes, strict=False):
-                        if k in self._known:
-                            old_keys.append(k)
-                        else:
-                            self._known[k] = s
-                            new_keys.append(k)
-                            new_sizes.append(s)
+            with self._lock:
+                self._storing.subtract(p.keys)
+                for k in set(p.keys):
+                    if self._storing[k] <= 0:
+                        del self._storing[k]
+                for k, s in zip(p.keys, p.sizes, strict=False) if ok else ():
+                    if k in self._known:
+                        old_keys.append(k)
+                    else:
+                        self._known[k] = s
+                        new_keys.append(k)
+                        new_sizes.append(s)
                 if new_keys:
                     self._notify_keys_stored(new_keys, new_sizes)
                 if old_keys:
@@ -315,7 +324,8 @@ class NativeConnectorL2Adapter(L2AdapterInterface):
         """Record keys that already exist in the backend (found by a start-up scan, say) with
         the sizes they occupy, and fire ``on_l2_keys_stored`` for the ones not yet known.
 
-        Keys the bridge already knows keep their first size. Returns the newly recorded keys.
+        Keys the bridge already knows keep their first size, and keys a store is writing are
+        left to that store. Returns the newly recorded keys.
         Later deletes report these sizes, so usage stays balanced.
         """
         if len(keys) != len(sizes):
@@ -323,7 +333,11 @@ class NativeConnectorL2Adapter(L2AdapterInterface):
                 f"record_known_keys: {len(keys)} keys but {len(sizes)} sizes; pass one size per key"
             )
         with self._lock:
-            fresh = [(k, int(s)) for k, s in zip(keys, sizes, strict=True) if k not in self._known]
+            fresh = [
+                (k, int(s))
+                for k, s in zip(keys, sizes, strict=True)
+                if k not in self._known and k not in self._storing
+            ]
             for k, s in fresh:
                 self._known[k] = s
         if fresh:
