@@ -196,10 +196,10 @@ class NativeConnectorL2Adapter(L2AdapterInterface):
                         self._known[k] = s
                         new_keys.append(k)
                         new_sizes.append(s)
-                if new_keys:
-                    self._notify_keys_stored(new_keys, new_sizes)
-                if old_keys:
-                    self._notify_keys_stored(old_keys, [0] * len(old_keys))
+            if new_keys:  # listeners are called outside the lock
+                self._notify_keys_stored(new_keys, new_sizes)
+            if old_keys:
+                self._notify_keys_stored(old_keys, [0] * len(old_keys))
             self._store_done.put(p.task_id, L2StoreResult(ok, sum(new_sizes) if ok else 0))
             self._store_n.notify()
         elif p.op == "lookup":
