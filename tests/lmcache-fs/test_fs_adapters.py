@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import pytest
@@ -33,17 +34,33 @@ def test_types_registered_through_entry_point():
 
 
 def test_start_up_scan_leaves_files_of_a_running_store_to_that_store(
-    h, fs_type, adapters, tmp_path
+    h, fs_type, adapters, tmp_path, monkeypatch
 ):
     # The scan runs while the first stores do; a file it finds for a store still in flight
     # is that store's to count (its result's bytes, and the size it charges).
     a = h.build(fs_type, base_path=str(tmp_path))
     adapters.append(a)
-    record_scanned = a.record_known_keys if fs_type == "fs_native" else a._on_recovered
+    scanned = threading.Event()
+    if fs_type == "fs":  # hold every write until the scan has reported: always in flight
+        from lmcache.storage.fs import fs_adapter
+
+        real_write = fs_adapter.write_new_file
+        monkeypatch.setattr(
+            fs_adapter,
+            "write_new_file",
+            lambda *args, **kw: scanned.wait(10) and real_write(*args, **kw),
+        )
+        record_scanned = a._on_recovered
+    else:  # the C++ writes take far longer than the call below (no hook to hold them)
+        record_scanned = a.record_known_keys
+
+    def scan_reports_them() -> None:  # with sizes a racing scan could not know yet
+        record_scanned(keys, [1, 1, 1])
+        scanned.set()
+
     keys = [h.key(i) for i in range(3)]
     objs = [h.make_obj(n, seed=i) for i, n in enumerate([10, 4096, 100_000])]
-    # What a scan racing the store would report (sizes it cannot know yet):
-    res = h.store(a, keys, objs, while_running=lambda: record_scanned(keys, [1, 1, 1]))
+    res = h.store(a, keys, objs, while_running=scan_reports_them)
     assert res.is_successful() and res.bytes_transferred() == 10 + 4096 + 100_000
     assert a.get_usage().total_bytes_used == 10 + 4096 + 100_000
 

@@ -532,9 +532,8 @@ class CacheEngine:
         """Release a dropped worker's share of its pending SHM reads once their lease ends
         (a failed read's at once: nothing copies from it): a worker whose copy finished
         within the lease did not wait for commit_retrieve, so its slots must not be reused
-        before then. Through the session's share count, as
-        commit_retrieve does, so a share that end_session already released is not released
-        again."""
+        before then. Through the session's share count, as commit_retrieve does, so a share
+        that end_session already released is not released again."""
         lease = self.config.retrieve_lease_seconds
         now = time.monotonic()
         for read in reads:

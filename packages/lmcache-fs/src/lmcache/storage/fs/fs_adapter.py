@@ -203,10 +203,7 @@ class FSL2Adapter(L2AdapterInterface):
     def _finish_store(self, tid: L2TaskId, keys: list[ObjectKey], batch: _Batch) -> None:
         new: list[tuple[ObjectKey, int]] = []
         with self._lock:
-            self._storing.subtract(keys)
-            for key in set(keys):
-                if self._storing[key] <= 0:
-                    del self._storing[key]
+            self._storing -= collections.Counter(keys)  # drops keys that reach 0
             for key, n in zip(keys, batch.new_bytes, strict=False):
                 if n > 0 and key not in self._sizes:
                     self._sizes[key] = n

@@ -185,10 +185,7 @@ class NativeConnectorL2Adapter(L2AdapterInterface):
         if p.op == "store":
             new_keys, new_sizes, old_keys = [], [], []
             with self._lock:
-                self._storing.subtract(p.keys)
-                for k in set(p.keys):
-                    if self._storing[k] <= 0:
-                        del self._storing[k]
+                self._storing -= collections.Counter(p.keys)  # drops keys that reach 0
                 for k, s in zip(p.keys, p.sizes, strict=False) if ok else ():
                     if k in self._known:
                         old_keys.append(k)
