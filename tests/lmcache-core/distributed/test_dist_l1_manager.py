@@ -245,6 +245,28 @@ def test_listener_events(l1):
     assert rec.events[1][1] == [k]  # temporary keys never fire write_finished
 
 
+def test_listeners_get_the_events_they_override_also_when_registered_late(l1):
+    class Touches(L1ManagerListener):
+        def __init__(self):
+            self.touched = []
+
+        def on_l1_keys_accessed(self, keys):
+            self.touched.append(list(keys))
+
+    first = Touches()
+    l1.register_listener(first)
+    k = key(1)
+    write(l1, [k])
+    l1.touch_keys([k])  # the event's handlers are looked up (and kept) here
+    late, rec = Touches(), Recorder()
+    l1.register_listener(late)
+    l1.register_listener(rec)
+    l1.touch_keys([k])
+    assert first.touched == [[k], [k]]
+    assert late.touched == [[k]]
+    assert rec.events == [("on_l1_keys_accessed", [k])]
+
+
 def test_status_fields(l1):
     write(l1, [key(1)])
     st = l1.report_status()

@@ -265,6 +265,35 @@ def store_in_l2_only(sm, adapter, keys) -> None:
     sm.delete_l1_keys(keys)
 
 
+def test_registry_any_serving_leaves_out_draining_adapters():
+    import os
+
+    from lmcache.v1.distributed.adapter_registry import AdapterRegistry
+
+    fds = [os.eventfd(0) for _ in range(3)]
+
+    class Fds:
+        def get_store_event_fd(self):
+            return fds[0]
+
+        def get_lookup_and_lock_event_fd(self):
+            return fds[1]
+
+        def get_load_event_fd(self):
+            return fds[2]
+
+    try:
+        reg = AdapterRegistry()
+        assert not reg.any_serving()
+        slot = reg.add(Fds(), "fake")
+        assert reg.any_serving() and reg.slots(include_draining=False) == [slot]
+        reg.set_draining(slot.index)
+        assert not reg.any_serving() and reg.slots(include_draining=False) == []
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
 def test_l1_write_is_stored_to_every_adapter_and_pins_released():
     a, b = ScriptedAdapter(), ScriptedAdapter()
     sm = make_sm([scripted(a), scripted(b)])

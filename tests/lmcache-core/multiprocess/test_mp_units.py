@@ -73,6 +73,27 @@ def test_fan_out():
     assert len(own) == 1 and {k.kv_rank for k in own[0]} == {compute_kv_rank(4, 2)}
 
 
+def test_fan_out_reuses_key_objects_and_rows_stay_correct(monkeypatch):
+    from lmcache.v1.multiprocess import engine
+
+    hashes = chunk_hashes(list(range(1, 1025)), 256)
+    first = fan_out_keys(_key(worker_id=1), hashes, 0, 4)
+    again = fan_out_keys(_key(worker_id=1), hashes, 0, 4)
+    assert again == first and all(a is b for a, b in zip(again[0], first[0], strict=True))
+    again[0].clear()  # callers own their rows
+    assert fan_out_keys(_key(worker_id=1), hashes, 0, 4) == first
+    assert [k.chunk_hash for k in fan_out_keys(_key(worker_id=1), hashes, 1, 3)[0]] == hashes[1:3]
+    salted = fan_out_keys(_key(worker_id=1, cache_salt="s"), hashes, 0, 4)[0]
+    assert [k.cache_salt for k in salted] == ["s"] * 4 and salted != first[0]
+    # past its bound the cache starts over; rows built after that are still right
+    monkeypatch.setattr(engine._object_keys, "MAX_KEYS", 2)
+    for end in (1, 2, 3, 4):
+        row = fan_out_keys(_key(worker_id=2), hashes, 0, end)[0]
+        assert [k.chunk_hash for k in row] == hashes[:end]
+        assert {k.kv_rank for k in row} == {compute_kv_rank(4, 2)}
+    assert fan_out_keys(_key(worker_id=1), hashes, 0, 4) == first
+
+
 def test_key_validation_messages():
     with pytest.raises(P.RequestError, match="aligned"):
         P.validate_key(

@@ -127,6 +127,11 @@ class AdapterRegistry:
         with self._lock:
             return [s for _, s in sorted(self._slots.items()) if include_draining or not s.draining]
 
+    def any_serving(self) -> bool:
+        """Whether an adapter that is not draining is registered (``slots(False)`` != [])."""
+        with self._lock:
+            return any(not s.draining for s in self._slots.values())
+
     def __len__(self) -> int:
         with self._lock:
             return len(self._slots)

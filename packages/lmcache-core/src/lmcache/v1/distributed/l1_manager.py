@@ -74,6 +74,7 @@ class L1Manager(L1ManagerInterface):
         self._pins: dict[int, int] = {}  # arena offset -> transfer pins
         self._deferred: dict[int, MemoryObj] = {}  # freed while pinned
         self._listeners: list[L1ManagerListener] = []
+        self._handlers: dict[str, list[Callable[[list[ObjectKey]], None]]] = {}  # by event
         self._candidate_source: Callable[[], list[ObjectKey]] | None = None
         self._demand_evicted = 0
         self._closed = False
@@ -83,11 +84,25 @@ class L1Manager(L1ManagerInterface):
     def _fire(self, event: str, keys: list[ObjectKey]) -> None:
         if not keys:
             return
-        for listener in self._listeners:
+        handlers = self._handlers.get(event)
+        if handlers is None:
+            handlers = self._handlers[event] = self._handlers_of(event)
+        for handler in handlers:
             try:
-                getattr(listener, event)(keys)
+                handler(keys)
             except Exception:
                 logger.exception("L1 listener %s failed", event)
+
+    def _handlers_of(self, event: str) -> list[Callable[[list[ObjectKey]], None]]:
+        """The listeners' bound ``event`` methods, leaving out L1ManagerListener's no-ops:
+        a lookup fires two events, and most listeners care about neither."""
+        noop = getattr(L1ManagerListener, event, None)
+        out = []
+        for listener in self._listeners:
+            method = getattr(listener, event, None)
+            if method is not None and getattr(method, "__func__", None) is not noop:
+                out.append(method)
+        return out
 
     def _release(self, obj: MemoryObj) -> None:
         addr = obj.metadata.address
@@ -123,6 +138,7 @@ class L1Manager(L1ManagerInterface):
     def register_listener(self, listener: L1ManagerListener) -> None:
         with self._mu:
             self._listeners.append(listener)
+            self._handlers.clear()
 
     def set_eviction_candidate_source(self, fn: Callable[[], list[ObjectKey]] | None) -> None:
         """Eviction order for demand eviction (IMPROVE §3.5); set by the L1 eviction controller."""
@@ -592,4 +608,5 @@ class L1Manager(L1ManagerInterface):
             self._resident.clear()
             self._staging.clear()
             self._listeners.clear()
+            self._handlers.clear()
         self._allocator.close()

@@ -124,7 +124,7 @@ class PrefetchController:
             return PrefetchHandle(-1, external_request_id, 0, time.time(), windows)
         rid = next(self._ids)
         # With no L2 adapter to ask, a request is served from L1 alone either way.
-        skip_l2 = skip_l2 or not self.registry.slots(include_draining=False)
+        skip_l2 = skip_l2 or not self.registry.any_serving()
         req = _Request(rid, spec, external_request_id, skip_l2)
         with self._mu:
             self._requests[rid] = req
@@ -154,7 +154,7 @@ class PrefetchController:
         if len(self.l1s) != 1:
             return None
         l1 = self.l1s[0]
-        if self.registry.slots(include_draining=False) and not l1.contains_all(
+        if self.registry.any_serving() and not l1.contains_all(
             k for row in rows for k in row
         ):
             return None

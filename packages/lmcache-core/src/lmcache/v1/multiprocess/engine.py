@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from lmcache.utils import init_logger
+from lmcache.v1.distributed.api import ObjectKey
 from lmcache.v1.multiprocess import payload_codec as codec
 from lmcache.v1.multiprocess import protocol as P
 from lmcache.v1.multiprocess.config import MPServerConfig
@@ -1245,34 +1246,56 @@ def fan_out_keys(
 
     ``ranks`` None means: the key's own rank, or every rank for a nil worker_id.
     """
-    from lmcache.v1.distributed.api import ObjectKey
-
     if ranks is None:
         ranks = range(key.world_size) if key.worker_id is None else [key.worker_id]
-    if len(_interned_keys) > _INTERNED_KEYS_MAX:
-        _interned_keys.clear()
     model, salt = key.model_name, key.cache_salt
-    rows = []
-    for r in ranks:
-        kv_rank = compute_kv_rank(key.world_size, r)
-        row = []
-        for c in range(first, last):
-            fields = (hashes[c], model, kv_rank, 0, salt)
-            k = _interned_keys.get(fields)
+    span = tuple(hashes[first:last])
+    return [
+        list(_object_keys.row(span, model, compute_kv_rank(key.world_size, r), salt))
+        for r in ranks
+    ]
+
+
+class _ObjectKeyCache:
+    """The one ObjectKey of each recently seen (hash, model, rank, group, salt), and whole
+    rows of them by (chunk hashes, model, rank, salt).
+
+    The storage layer keeps the key objects a store brought in its dicts; a lookup that
+    brings those same objects finds them by identity instead of running ObjectKey.__eq__
+    (about 80 times for a 16-chunk lookup). A prompt seen before (every cache hit) gets its
+    row with one dict lookup instead of building or finding 16 keys. Everything is dropped
+    once either table holds more than ``MAX_KEYS`` keys. Any thread may use it (single dict
+    operations; a lost race only yields equal, separate keys, or a slightly late clear)."""
+
+    MAX_KEYS = 1 << 16
+
+    def __init__(self) -> None:
+        self._keys: dict[tuple[Any, ...], ObjectKey] = {}
+        self._rows: dict[tuple[Any, ...], tuple[ObjectKey, ...]] = {}
+        self._row_keys = 0  # keys in _rows, counted once per row
+
+    def row(
+        self, chunk_hashes: tuple[bytes, ...], model: str, kv_rank: int, salt: str
+    ) -> tuple[ObjectKey, ...]:
+        row = self._rows.get((chunk_hashes, model, kv_rank, salt))
+        if row is not None:
+            return row
+        if len(self._keys) > self.MAX_KEYS or self._row_keys > self.MAX_KEYS:
+            self._keys, self._rows, self._row_keys = {}, {}, 0
+        keys = self._keys
+        out = []
+        for h in chunk_hashes:
+            fields = (h, model, kv_rank, 0, salt)
+            k = keys.get(fields)
             if k is None:
-                k = _interned_keys[fields] = ObjectKey(*fields)
-            row.append(k)
-        rows.append(row)
-    return rows
+                k = keys[fields] = ObjectKey(*fields)
+            out.append(k)
+        row = self._rows[(chunk_hashes, model, kv_rank, salt)] = tuple(out)
+        self._row_keys += len(row)
+        return row
 
 
-# The one ObjectKey of each recently seen (hash, model, rank, group, salt). The storage
-# layer keeps the key objects a store brought in its dicts; a lookup that brings those same
-# objects finds them by identity instead of running ObjectKey.__eq__ (about 80 times for a
-# 16-chunk lookup) and skips building and validating 16 keys. Cleared when full; any thread
-# may use it (single dict operations; a lost race only yields an equal, separate key).
-_INTERNED_KEYS_MAX = 1 << 16
-_interned_keys: dict[tuple[Any, ...], Any] = {}
+_object_keys = _ObjectKeyCache()
 
 
 def codec_feature(ctx: RequestContext) -> bool:

@@ -98,7 +98,10 @@ class ServerMetrics:
             c = self.counters[name]  # an unknown name or missing labels raise here
             (c.labels(**labels) if labels else c).inc(amount)
             return
-        self.inc_many({name: amount})
+        if amount < 0:
+            self.inc_many({name: amount})  # raises, naming the counter
+        with self._pending_lock:
+            self._pending[name] = self._pending.get(name, 0) + amount
 
     def inc_many(self, amounts: dict[str, float]) -> None:
         """``inc`` of several unlabelled counters at once. They add up here and reach
@@ -106,8 +109,8 @@ class ServerMetrics:
         update costs a fraction of a prometheus call."""
         if not self.enabled:
             return
-        bad = [n for n, a in amounts.items() if n not in _UNLABELLED or a < 0]
-        if bad:
+        if not amounts.keys() <= _UNLABELLED or min(amounts.values(), default=0) < 0:
+            bad = [n for n, a in amounts.items() if n not in _UNLABELLED or a < 0]
             raise ValueError(
                 f"counter {bad[0]!r} cannot take {amounts[bad[0]]}: counters only grow, and "
                 "inc_many takes unlabelled counters (pass labels to inc for the others)"

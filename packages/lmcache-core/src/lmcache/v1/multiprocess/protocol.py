@@ -463,5 +463,5 @@ def validate_key(key: IPCCacheServerKey, *, chunk_aligned: bool, chunk_size: int
         raise bad(f"model_name must not contain '@' (got {key.model_name!r})")
     if len(key.cache_salt) > 128:
         raise bad(f"cache_salt exceeds max length 128 (got {len(key.cache_salt)})")
-    if any(c in key.cache_salt for c in _BAD_SALT_CHARS):
+    if key.cache_salt and any(c in key.cache_salt for c in _BAD_SALT_CHARS):
         raise bad(f"cache_salt must not contain @, /, \\ or NUL (got {key.cache_salt!r})")
