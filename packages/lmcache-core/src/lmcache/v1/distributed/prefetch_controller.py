@@ -154,9 +154,7 @@ class PrefetchController:
         if len(self.l1s) != 1:
             return None
         l1 = self.l1s[0]
-        if self.registry.any_serving() and not l1.contains_all(
-            k for row in rows for k in row
-        ):
+        if self.registry.any_serving() and not l1.contains_all(k for row in rows for k in row):
             return None
         self.stats["requests"] += 1
         return l1.reserve_read_prefix(rows, readers)

@@ -1251,8 +1251,7 @@ def fan_out_keys(
     model, salt = key.model_name, key.cache_salt
     span = tuple(hashes[first:last])
     return [
-        list(_object_keys.row(span, model, compute_kv_rank(key.world_size, r), salt))
-        for r in ranks
+        list(_object_keys.row(span, model, compute_kv_rank(key.world_size, r), salt)) for r in ranks
     ]
 
 
