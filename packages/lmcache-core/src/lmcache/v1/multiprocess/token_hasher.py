@@ -111,11 +111,12 @@ class PrefixHashMemo:
         step = self.step
         if len(raw) < step:
             return []
+        first = raw[:step]
         with self._lock:
-            seqs = self._by_first.get(raw[:step])
+            seqs = self._by_first.get(first)
             if seqs is None:
                 return []
-            self._by_first.move_to_end(raw[:step])
+            self._by_first.move_to_end(first)
             best: list[bytes] = []
             for seq, hashes in seqs:
                 n = shared_chunks(seq, raw, step, min(len(hashes), len(raw) // step))
