@@ -91,9 +91,27 @@ def _resident_regions(pool_name: str, region: int = 2 << 20) -> tuple[int, int]:
         m.close()
 
 
+def test_worker_maps_a_pool_past_one_gib_before_registration_returns(lmcache_server, mp):
+    """Slots a worker's copy has to map on the way double that store, and the background
+    mapper hardly advances while transfers keep a small host busy: a pool of up to 4 GiB that
+    the server backed is mapped before registration returns (this one is 1.25 GiB)."""
+    name = f"pmapbig{os.getpid()}"
+    srv = lmcache_server("--shm-name", name, "--l1-size-gb", "1.25")
+    pool = 1280 << 20
+    mp.wait_for(lambda: _resident_regions(name) == (640, 640), "the server backed its pool", 60)
+    client, ctx = mp.worker(srv.rpc_url, mp.make_kv(num_blocks=40), model="pmapbig")
+    try:
+        assert ctx.mode == "SHM"
+        assert ctx.mapped_bytes == pool
+    finally:
+        ctx.unregister()
+        ctx.close()
+        client.close()
+
+
 def test_worker_maps_the_pool_the_server_backed_and_nothing_else(lmcache_server, mp):
     """By default the server backs its whole pool at start and a worker maps it (the first
-    GiB while it registers, the rest in the background), so its copies never map pages;
+    4 GiB while it registers, the rest in the background), so its copies never map pages;
     with --l1-prefault off the worker maps no page the server has not backed, so it never
     grows the server's memory."""
     name = f"pmap{os.getpid()}"
@@ -104,7 +122,7 @@ def test_worker_maps_the_pool_the_server_backed_and_nothing_else(lmcache_server,
     client, ctx = mp.worker(srv.rpc_url, kv, model="pmap")
     try:
         assert ctx.mode == "SHM"
-        # up to 1 GiB of what the server backed is mapped before registration returns
+        # up to 4 GiB of what the server backed is mapped before registration returns
         assert ctx.mapped_bytes == pool
         assert ctx.submit_store(mp.key("pm", model="pmap"), list(range(1, 33))).result(20)
         rid = "pm-r"

@@ -39,10 +39,12 @@ logger = init_logger(__name__)
 _lease_clock = time.monotonic  # what a retrieve's copy is timed with against the server's lease
 _MAP_REGION = 2 << 20  # granule in which the SHM pool is mapped into a worker before a copy
 _MAP_IDLE_PASSES = 4  # background mapping stops after this many passes that found nothing new
-# Mapped before registration returns (where the server has backed it): a fresh server hands
-# out low offsets first, so the first requests after a start find their slots mapped (a
-# 64 MiB slot costs 2-9 ms to map on the copy path). About 0.1-0.2 s of registration.
-_MAP_AT_ATTACH_REGIONS = (1 << 30) // _MAP_REGION
+# Mapped before registration returns (where the server has backed it): all of a default
+# 4 GiB pool, the first 4 GiB of a larger one (a fresh server hands out low offsets first).
+# Mapping costs the same wherever it runs (10-15 ms per 64 MiB on a small VM, as much as the
+# copy itself), but on the copy path it doubles a store, and the background thread, at the
+# lowest priority, hardly advances while transfers keep the cores busy. About 0.2 s per GiB.
+_MAP_AT_ATTACH_REGIONS = (4 << 30) // _MAP_REGION
 
 
 def _as_list(kv_caches: Any) -> list[torch.Tensor]:
