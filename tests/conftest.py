@@ -155,3 +155,39 @@ def lmcache_server_module() -> Iterator:
     yield start
     for srv in started:
         srv.cleanup()
+
+
+def _all_threads_stopped(pid: int) -> bool:
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:
+        return True  # gone: nothing of it runs
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, IndexError):
+            continue  # the thread exited meanwhile
+        if state not in ("T", "t"):
+            return False
+    return True
+
+
+def stop_process(pid: int, timeout: float = 10.0) -> None:
+    """SIGSTOP ``pid`` and return once every thread of it has stopped.
+
+    kill() returns as soon as the signal is queued; the process stops only when the thread
+    the kernel picked to take it gets a CPU, and until then its other threads keep running
+    (on a busy 2-core host long enough to answer a request that was sent right after)."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout
+    while not _all_threads_stopped(pid):
+        if time.monotonic() >= deadline:
+            pytest.fail(f"process {pid} did not stop within {timeout} s of SIGSTOP")
+        time.sleep(0.01)
+
+
+@pytest.fixture
+def sigstop():
+    """``sigstop(pid)``: SIGSTOP a process and wait until all its threads have stopped."""
+    return stop_process

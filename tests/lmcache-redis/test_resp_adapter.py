@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import select
-import signal
 import socket
 import time
 
@@ -178,14 +177,14 @@ def test_auth_and_database_index(h, adapters, redis_server_with_password):
     assert h.lookup(bad, [k]).test(0) is False
 
 
-def test_server_killed_mid_batch_fails_then_recovers(h, adapters, redis_server):
+def test_server_killed_mid_batch_fails_then_recovers(h, adapters, redis_server, sigstop):
     a = _resp(h, redis_server, socket_timeout_s=5.0)
     adapters.append(a)
     keys = [h.key(i) for i in range(64)]
     objs = [h.make_obj(1 << 20, seed=i % 4) for i in range(64)]
     # A stopped server accepts bytes into its socket buffer but never replies, so the batch
     # is provably still in flight when the server dies.
-    os.kill(redis_server.proc.pid, signal.SIGSTOP)
+    sigstop(redis_server.proc.pid)
     tid = a.submit_store_task(keys, objs)
     done: dict = {}
     select.select([a.get_store_event_fd()], [], [], 0.5)

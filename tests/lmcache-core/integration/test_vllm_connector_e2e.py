@@ -448,7 +448,7 @@ def test_server_restart_degrades_then_reregisters(lmcache_server, engines, shm):
         again.cleanup()
 
 
-def test_lookup_timeout_reports_a_miss_and_frees_late_locks(lmcache_server, engines):
+def test_lookup_timeout_reports_a_miss_and_frees_late_locks(lmcache_server, engines, sigstop):
     import signal
 
     srv = lmcache_server()
@@ -459,7 +459,7 @@ def test_lookup_timeout_reports_a_miss_and_frees_late_locks(lmcache_server, engi
     # Stalled before the request arrives: its lookup (sent at once with eager prefetch)
     # must not be answered, or the ack could beat the stop and the status query would
     # rightly follow it.
-    os.kill(srv.proc.pid, signal.SIGSTOP)
+    sigstop(srv.proc.pid)
     try:
         e.add_request("late", prompt)
         assert wait_until(
@@ -602,7 +602,9 @@ def test_retrieve_while_the_server_is_down_fails_as_a_load_error(lmcache_server,
     assert not e.holding and len(e.free_blocks) == e.num_blocks - 1  # every block released
 
 
-def test_finishing_a_request_whose_lookup_never_answered_keeps_nothing(lmcache_server, engines):
+def test_finishing_a_request_whose_lookup_never_answered_keeps_nothing(
+    lmcache_server, engines, sigstop
+):
     """The scheduler gave up on a lookup (stalled server): finishing the request drops every
     trace of it on our side, and the server frees that lookup's locks at end_session."""
     import signal
@@ -617,7 +619,7 @@ def test_finishing_a_request_whose_lookup_never_answered_keeps_nothing(lmcache_s
     e.add_request("warmup", tokens(100, seed=64))  # starts the heartbeat (its first ping)
     e.run()
     assert wait_until(lambda: client.pending_count() == 0, timeout=10)
-    os.kill(srv.proc.pid, signal.SIGSTOP)
+    sigstop(srv.proc.pid)
     try:
         req = e.add_request("never", prompt)
         assert wait_until(lambda: e.scheduler.get_num_new_matched_tokens(req, 0)[0] is not None)
