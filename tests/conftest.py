@@ -17,6 +17,8 @@
   (the copy path; the CLI's own default turns SHM on) unless the test
   passes its own value of those flags or ``test_defaults=False`` (then only the ports and
   ``--host 127.0.0.1`` are added).
+* ``sigstop`` fixture: ``sigstop(pid)`` stops a process (a server a test wants to stall)
+  and returns once every thread of it has stopped.
 """
 
 from __future__ import annotations
