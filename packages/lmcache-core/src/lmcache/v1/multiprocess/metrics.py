@@ -44,6 +44,14 @@ _COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
 
 _UNLABELLED = frozenset(n for n, (_, labels) in _COUNTERS.items() if not labels)
 
+
+def _bad_increment(name: str, amount: float) -> ValueError:
+    return ValueError(
+        f"counter {name!r} cannot take {amount}: counters only grow, and inc_many takes "
+        "unlabelled counters (pass labels to inc for the others)"
+    )
+
+
 _GAUGES: dict[str, str] = {
     "lmcache_mp_active_prefetch_jobs": "prefetch jobs in flight",
     "lmcache_mp_active_p2p_lookup_jobs": "p2p lookups in flight (p2p is not built: 0)",
@@ -99,7 +107,7 @@ class ServerMetrics:
             (c.labels(**labels) if labels else c).inc(amount)
             return
         if amount < 0:
-            self.inc_many({name: amount})  # raises, naming the counter
+            raise _bad_increment(name, amount)
         with self._pending_lock:
             self._pending[name] = self._pending.get(name, 0) + amount
 
@@ -110,11 +118,8 @@ class ServerMetrics:
         if not self.enabled:
             return
         if not amounts.keys() <= _UNLABELLED or min(amounts.values(), default=0) < 0:
-            bad = [n for n, a in amounts.items() if n not in _UNLABELLED or a < 0]
-            raise ValueError(
-                f"counter {bad[0]!r} cannot take {amounts[bad[0]]}: counters only grow, and "
-                "inc_many takes unlabelled counters (pass labels to inc for the others)"
-            )
+            name = next(n for n, a in amounts.items() if n not in _UNLABELLED or a < 0)
+            raise _bad_increment(name, amounts[name])
         with self._pending_lock:
             pending = self._pending
             for name, amount in amounts.items():
