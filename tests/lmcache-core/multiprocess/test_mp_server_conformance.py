@@ -833,6 +833,16 @@ def test_http_endpoints(srv, mp):
     assert httpx.post(base + "/cache/clear", json={"tier": "l1"}).json()["ok"] is True
 
 
+def test_metrics_show_the_process_the_collector_and_the_frozen_start_up_heap(srv, mp):
+    # What 0.5.6's default registry shows besides its own names (process_*, python_gc_*),
+    # and how much of the heap start-up took out of garbage collection (full passes over
+    # all of it stalled every request for ~0.2 s).
+    assert mp.metric(srv, "process_resident_memory_bytes") > 0
+    assert mp.metric(srv, "process_cpu_seconds_total") > 0
+    assert "python_gc_collections_total" in httpx.get(srv.http_url + "/metrics").text
+    assert mp.metric(srv, "lmcache_mp_gc_frozen_objects") > 10000
+
+
 def test_l1_evictions_reach_metrics(lmcache_server, mp):
     # ~2.5 chunks of 4 MiB fit: later stores must evict earlier, unlocked chunks
     srv = lmcache_server("--l1-size-gb", "0.01", "--l1-init-size-gb", "0")

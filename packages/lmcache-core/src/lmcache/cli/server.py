@@ -8,6 +8,7 @@ LMCache 0.5.6 (spec/protocol.md 13). SIGINT/SIGTERM stop it cleanly and unlink i
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import re
 import signal
@@ -369,6 +370,19 @@ def _bind_http(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _freeze_startup_heap() -> int:
+    """Collect once, then move every object alive now (imported modules, the storage
+    engine's tables) out of the garbage collector's reach and return how many that is.
+
+    Full collections walk every tracked object: over the ~200k objects a started server
+    holds, one took 185-220 ms here, a stall for every request in flight, and one comes
+    whenever the heap has grown by a quarter of its long-lived part. Objects made from now
+    on are collected as usual."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
+
+
 def run(args: argparse.Namespace) -> int:
     import logging
 
@@ -429,6 +443,8 @@ def run(args: argparse.Namespace) -> int:
             flush=True,
         )
         app = build_app(runtime)
+        frozen = _freeze_startup_heap()
+        logger.debug("start-up heap frozen: %d objects left out of garbage collection", frozen)
         config = uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False)
         server = uvicorn.Server(config)
         # uvicorn re-raises the signal that stopped it once it is done; our handlers only

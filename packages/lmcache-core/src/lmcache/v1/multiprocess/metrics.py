@@ -2,15 +2,26 @@
 
 One ``ServerMetrics`` per server owns its own ``CollectorRegistry`` (so tests can run
 several servers in one process); ``reset()`` rebuilds it for ``POST /metrics/reset``.
-prometheus_client appends ``_total`` to counter names.
+prometheus_client appends ``_total`` to counter names. Like 0.5.6's default registry, it
+also carries prometheus_client's process (``process_*``) and garbage-collector
+(``python_gc_*``) metrics.
 """
 
 from __future__ import annotations
 
+import gc
 import threading
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    GCCollector,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
 
 _COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
     "lmcache_mp_lookup_requested_tokens": ("tokens asked for by lookups", ()),
@@ -62,6 +73,7 @@ _GAUGES: dict[str, str] = {
     "lmcache_mp_event_bus_drain_lag_seconds": "event bus lag (no event bus: 0)",
     "lmcache_mp_kv_events_log_depth": "KV event log depth (not built: 0)",
     "lmcache_mp_shm_enabled": "1 when the engine-driven SHM pool is in use",
+    "lmcache_mp_gc_frozen_objects": "objects alive at start-up, left out of garbage collection",
 }
 
 _HISTOGRAMS: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -94,6 +106,8 @@ class ServerMetrics:
             n: Histogram(n, doc, labelnames=labels, registry=self.registry)
             for n, (doc, labels) in _HISTOGRAMS.items()
         }
+        ProcessCollector(registry=self.registry)
+        GCCollector(registry=self.registry)
 
     def add_gauge_source(self, fn: Callable[[ServerMetrics], None]) -> None:
         """``fn(metrics)`` refreshes gauges right before each scrape."""
@@ -150,6 +164,7 @@ class ServerMetrics:
         return c._value.get()
 
     def render(self) -> bytes:
+        self.set("lmcache_mp_gc_frozen_objects", gc.get_freeze_count())
         for fn in self._gauge_sources:
             try:
                 fn(self)
