@@ -1,7 +1,9 @@
 """The loop thread runs an engine-driven bookkeeping op (prepare/commit on the SHM path)
 itself only when its peer's affinity slot has nothing queued, so a peer's ops still run in
-the order it sent them (protocol.md 1.2: AFFINITY ops are FIFO per slot). A real server
-loop over real sockets, with a recording engine in place of the cache engine."""
+the order it sent them (protocol.md 1.2: AFFINITY ops are FIFO per slot); a request's
+teardown (free_lookup_locks, end_session) runs there too, so a busy normal pool does not
+hold it up. A real server loop over real sockets, with a recording engine in place of the
+cache engine."""
 
 from __future__ import annotations
 
@@ -26,20 +28,23 @@ class _RecordingEngine:
         self.handlers = {
             "noop": lambda ctx: "OK",
             "retrieve": self._blocking,
+            "clear": self._blocking,
             "prepare_store": self._record("prepare_store"),
             "commit_retrieve": self._record("commit_retrieve"),
+            "end_session": self._record("end_session", None),
+            "free_lookup_locks": self._record("free_lookup_locks", None),
         }
 
-    def _record(self, name):
+    def _record(self, name, result=True):
         def handler(ctx, *args):
             self.ran.append((name, threading.current_thread().name))
-            return True
+            return result
 
         return handler
 
     def _blocking(self, ctx, *args):
         assert self.release.wait(20)
-        self.ran.append(("retrieve", threading.current_thread().name))
+        self.ran.append(("blocking op", threading.current_thread().name))
         return (b"", True)
 
     def runs_inline(self, op, args):
@@ -79,12 +84,38 @@ def test_bookkeeping_ops_run_inline_only_behind_an_idle_slot():
         engine.release.set()
         assert slow.result(20) == [b"", True]
         assert queued.result(20) is True
-        assert [name for name, _ in engine.ran] == ["prepare_store", "retrieve", "commit_retrieve"]
+        assert [name for name, _ in engine.ran] == [
+            "prepare_store",
+            "blocking op",
+            "commit_retrieve",
+        ]
         assert engine.ran[2][1].startswith("mp-affinity-0")  # queued behind it, same slot
 
         # the slot is idle again: inline once more
         assert client.call("commit_retrieve", _key("c"), 1) is True
         assert engine.ran[3] == ("commit_retrieve", "mq-server-thread")
+    finally:
+        engine.release.set()
+        client.close()
+        server.stop()
+
+
+def test_request_teardown_is_answered_while_the_normal_pool_is_busy():
+    engine = _RecordingEngine()
+    server = MPCacheServer(engine)  # type: ignore[arg-type]
+    url = server.start()
+    client = MPClient(url, default_timeout=20)
+    try:
+        # both normal-pool threads (max_cpu_workers=2) block in a clear
+        clears = [client.submit("clear", True) for _ in range(2)]
+        assert client.call("free_lookup_locks", _key("a"), 1, timeout=10) is None
+        assert client.call("end_session", "a", timeout=10) is None
+        assert engine.ran == [
+            ("free_lookup_locks", "mq-server-thread"),
+            ("end_session", "mq-server-thread"),
+        ]
+        engine.release.set()
+        assert [f.result(20) for f in clears] == [[b"", True]] * 2
     finally:
         engine.release.set()
         client.close()

@@ -240,8 +240,11 @@ OPS: tuple[OpSpec, ...] = (
     ),
     OpSpec("query_prefetch_status", 9, _S, (Param("request_id", str),)),
     OpSpec("wait_prefetch_status", 10, _S, (Param("request_id", str), Param("timeout", float))),
-    OpSpec("free_lookup_locks", 12, _N, (_K, Param("tp_size", Any, None))),
-    OpSpec("end_session", 13, _N, (Param("request_id", str),)),
+    # IMPROVE (NORMAL in 0.5.6): releasing read locks and touching LRU positions never
+    # blocks either; inline, a request's teardown costs no pool handoffs and no busy pool
+    # (a long clear) holds it up.
+    OpSpec("free_lookup_locks", 12, _S, (_K, Param("tp_size", Any, None))),
+    OpSpec("end_session", 13, _S, (Param("request_id", str),)),
     OpSpec(
         "register_kv_cache_engine_driven_context",
         14,
