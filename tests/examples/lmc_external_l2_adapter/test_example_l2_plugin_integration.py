@@ -6,11 +6,11 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
+from testsupport.waiting import eventually
 
 pytest.importorskip("lmc_external_l2_adapter", reason="lmc-external-l2-adapter not installed")
 
@@ -67,15 +67,6 @@ def make_sm(spec: dict) -> StorageManager:
         L2AdaptersConfig([parse_l2_adapter_dict(1, spec)]),
     )
     return StorageManager(cfg, eviction_interval_s=60)
-
-
-def eventually(cond, timeout=10.0):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if cond():
-            return
-        time.sleep(0.01)
-    raise AssertionError("condition not reached")
 
 
 def round_trip(sm: StorageManager, stored_count) -> None:

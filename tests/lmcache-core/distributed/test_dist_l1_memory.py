@@ -8,6 +8,7 @@ import random
 
 import pytest
 import torch
+from testsupport.waiting import eventually
 
 from lmcache.v1.distributed import l1_memory
 from lmcache.v1.distributed.l1_memory import AddressManager, L1Allocator, normalize_shm_name
@@ -245,13 +246,13 @@ def test_prefault_keeps_headroom_backed_past_the_high_water_mark():
     mib = 1 << 20
     a = L1Allocator(256 * mib, 4096, prefault="ahead", prefault_headroom=32 * mib)
     try:
-        assert _wait(lambda: a.prefaulted_bytes == 32 * mib)
+        eventually(lambda: a.prefaulted_bytes == 32 * mib)
         assert _resident_bytes(a.base_ptr, 256 * mib) == 32 * mib  # not the whole pool
         first = a.allocate([torch.Size([8 * mib])], [torch.uint8])
         first.tensor.copy_(torch.arange(8 * mib, dtype=torch.int64).to(torch.uint8))
         more = a.batched_allocate([torch.Size([8 * mib])], [torch.uint8], 8)  # up to 72 MiB
         assert more is not None
-        assert _wait(lambda: a.prefaulted_bytes == 72 * mib + 32 * mib)
+        eventually(lambda: a.prefaulted_bytes == 72 * mib + 32 * mib)
         assert _resident_bytes(a.base_ptr, 256 * mib) == 104 * mib
         assert torch.equal(first.tensor, torch.arange(8 * mib, dtype=torch.int64).to(torch.uint8))
     finally:
@@ -274,7 +275,7 @@ def test_prefault_all_backs_the_whole_pool_without_touching_data():
         assert a.prefault == "all"
         obj = a.allocate([torch.Size([4 * mib])], [torch.uint8])
         obj.tensor.copy_(torch.arange(4 * mib, dtype=torch.int64).to(torch.uint8))
-        assert _wait(lambda: a.prefaulted_bytes == 96 * mib)
+        eventually(lambda: a.prefaulted_bytes == 96 * mib)
         assert _resident_bytes(a.base_ptr, 96 * mib) == 96 * mib
         assert torch.equal(obj.tensor, torch.arange(4 * mib, dtype=torch.int64).to(torch.uint8))
     finally:
@@ -295,7 +296,7 @@ def test_prefault_thread_runs_at_the_lowest_cpu_priority():
         def nice() -> int:
             return int(open(stat).read().rsplit(")", 1)[1].split()[16])
 
-        assert _wait(lambda: nice() == 19)
+        eventually(lambda: nice() == 19)
         assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) != 19  # only it
     finally:
         a.close()
@@ -308,19 +309,8 @@ def test_prefault_all_falls_back_to_ahead_when_the_pool_does_not_fit(monkeypatch
     try:
         assert a.prefault == "ahead"
         assert "prefault 'all' skipped" in caplog.text
-        assert _wait(lambda: a.prefaulted_bytes == 8 * mib)
+        eventually(lambda: a.prefaulted_bytes == 8 * mib)
     finally:
         a.close()
     with pytest.raises(ValueError, match="prefault must be one of all, ahead, off"):
         L1Allocator(64 * mib, 4096, prefault="eager")
-
-
-def _wait(cond, timeout: float = 10.0) -> bool:
-    import time
-
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True

@@ -7,6 +7,7 @@ import logging
 import time
 
 import pytest
+from testsupport.waiting import wait_result
 
 from lmcache.v1.distributed.api import ObjectKey
 from lmcache.v1.distributed.internal_api import L2AdapterListener
@@ -26,21 +27,11 @@ def key(i: int, salt: str = "") -> ObjectKey:
     return ObjectKey(ObjectKey.IntHash2Bytes(i), "m", 5, 1, salt)
 
 
-def wait(poll, timeout=5.0):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        r = poll()
-        if r is not None:
-            return r
-        time.sleep(0.002)
-    raise AssertionError("timeout")
-
-
 def store(a, keys, size=100):
     tid = a.submit_store_task(
         keys, [BytesBufferMemoryObj(bytes([i % 251]) * size) for i in range(len(keys))]
     )
-    return wait(lambda: a.pop_completed_store_tasks().get(tid))
+    return wait_result(lambda: a.pop_completed_store_tasks().get(tid))
 
 
 def test_mock_config_errors():
@@ -80,13 +71,13 @@ def test_mock_lookup_locks_block_delete_and_load_copies():
     try:
         store(a, [key(1)])
         tid = a.submit_lookup_and_lock_task([key(1), key(2)])
-        bm = wait(lambda: a.query_lookup_and_lock_result(tid))
+        bm = wait_result(lambda: a.query_lookup_and_lock_result(tid))
         assert (bm.test(0), bm.test(1)) == (True, False)
         a.delete([key(1)])
         assert a.debug_has_key(key(1))  # locked
         dst = BytesBufferMemoryObj(bytes(100))
         tid = a.submit_load_task([key(1)], [dst])
-        assert wait(lambda: a.query_load_result(tid)).test(0)
+        assert wait_result(lambda: a.query_load_result(tid)).test(0)
         assert bytes(dst.byte_array) == bytes([0]) * 100
         a.submit_unlock([key(1)])
         a.delete([key(1)])
@@ -104,7 +95,7 @@ def test_mock_lock_ttl_expiry_lets_delete_proceed(monkeypatch):
     try:
         store(a, [key(1)])
         tid = a.submit_lookup_and_lock_task([key(1)])
-        assert wait(lambda: a.query_lookup_and_lock_result(tid)).test(0)
+        assert wait_result(lambda: a.query_lookup_and_lock_result(tid)).test(0)
         a.delete([key(1)])
         assert a.debug_has_key(key(1))  # still locked
         time.sleep(0.3)  # never unlocked; the lock expires
@@ -162,10 +153,12 @@ def test_rate_zero_passes_through_and_gaps_clear_only_load_bits(caplog):
         keys = [key(i) for i in range(3)]
         store(a, keys)
         tid = a.submit_lookup_and_lock_task(keys)
-        assert wait(lambda: a.query_lookup_and_lock_result(tid)).popcount() == 3  # lookups intact
+        assert (
+            wait_result(lambda: a.query_lookup_and_lock_result(tid)).popcount() == 3
+        )  # lookups intact
         objs = [BytesBufferMemoryObj(bytes(100)) for _ in keys]
         tid = a.submit_load_task(keys, objs)
-        bm = wait(lambda: a.query_load_result(tid))
+        bm = wait_result(lambda: a.query_load_result(tid))
         assert repr(bm) == "101"
         assert a.get_usage().total_bytes_used == 300  # delegated accounting
     finally:

@@ -3,11 +3,11 @@ adapter and real L1 memory."""
 
 from __future__ import annotations
 
-import time
 import zlib
 
 import pytest
 import torch
+from testsupport.waiting import eventually, wait_result
 
 from lmcache.v1.distributed.api import (
     GroupedObjectKeys,
@@ -85,16 +85,6 @@ for _name, _factory in (("zlib_test", ZlibSerde), ("exploding_test", ExplodingSe
         register_l2_serde(_name, _factory)
 
 
-def wait(poll, timeout: float = 10.0):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        r = poll()
-        if r is not None:
-            return r
-        time.sleep(0.002)
-    raise AssertionError("timeout")
-
-
 @pytest.fixture
 def l1():
     mem = L1MemoryManagerConfig(256 * 4096, use_lazy=False, align_bytes=4096, shm_name="")
@@ -128,17 +118,17 @@ def make_wrapper(l1: L1Manager, serde_name: str = "identity"):
 
 def store(w, keys, objs):
     tid = w.submit_store_task(keys, objs)
-    return wait(lambda: w.pop_completed_store_tasks().get(tid))
+    return wait_result(lambda: w.pop_completed_store_tasks().get(tid))
 
 
 def lookup(w, keys):
     tid = w.submit_lookup_and_lock_task(keys)
-    return wait(lambda: w.query_lookup_and_lock_result(tid))
+    return wait_result(lambda: w.query_lookup_and_lock_result(tid))
 
 
 def load(w, keys, objs):
     tid = w.submit_load_task(keys, objs)
-    return wait(lambda: w.query_load_result(tid))
+    return wait_result(lambda: w.query_load_result(tid))
 
 
 def random_fill(i, o):
@@ -253,15 +243,6 @@ def make_sm(adapter_dict) -> StorageManager:
     return StorageManager(cfg, eviction_interval_s=60)
 
 
-def eventually(cond, timeout: float = 10.0) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if cond():
-            return
-        time.sleep(0.01)
-    raise AssertionError("condition not reached")
-
-
 @pytest.mark.parametrize("serde_name", ["identity", "zlib_test"])
 def test_storage_manager_stores_and_prefetches_through_serde(serde_name):
     sm = make_sm(
@@ -346,7 +327,7 @@ def test_many_tasks_in_flight_from_several_threads(l1):
             results.update(w.pop_completed_store_tasks())
             return True if len(results) == 6 else None
 
-        wait(collect)
+        wait_result(collect)
         assert set(results) == set(tids.values())
         assert all(r.is_successful() for r in results.values())
         assert inner.debug_num_keys() == 18
@@ -354,7 +335,7 @@ def test_many_tasks_in_flight_from_several_threads(l1):
         dst = staging(l1, all_keys)
         tids = [w.submit_load_task(all_keys[i : i + 6], dst[i : i + 6]) for i in range(0, 18, 6)]
         for tid in tids:
-            assert repr(wait(lambda tid=tid: w.query_load_result(tid))) == "111111"
+            assert repr(wait_result(lambda tid=tid: w.query_load_result(tid))) == "111111"
         assert [bytes(d.byte_array) for d in dst] == [expected[k] for k in all_keys]
         l1.finish_write_and_delete(all_keys, "load")
         assert l1.get_staging_memory_usage() == 0

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+from testsupport.waiting import eventually
 
 from lmcache.lmcache_native import Bitmap
 from lmcache.v1.distributed.api import (
@@ -231,15 +232,6 @@ def write(sm: StorageManager, keys, value: float | None = None) -> None:
         if k in objs:
             objs[k].tensor.fill_(float(i) if value is None else value)
     sm.finish_write(list(objs))
-
-
-def eventually(cond, timeout: float = 10.0) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if cond():
-            return
-        time.sleep(0.01)
-    raise AssertionError("condition not reached")
 
 
 def spec(keys, **kw) -> PrefetchTaskSpec:

@@ -12,6 +12,7 @@ import msgspec
 import pytest
 import torch
 import zmq
+from testsupport.waiting import eventually
 
 from lmcache.v1.multiprocess import protocol as P
 from lmcache.v1.multiprocess.client import MPClient
@@ -168,11 +169,7 @@ def status(srv) -> dict:
 def wait_for(cond, what: str, timeout: float = 15.0, interval: float = 0.1) -> None:
     """Wait for server state that appears asynchronously (a reap, a write-behind, an
     eviction); fails naming what never happened. A bound on waiting, not a speed check."""
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() >= deadline:
-            pytest.fail(f"never happened: {what}")
-        time.sleep(interval)
+    eventually(cond, what, timeout, interval)
 
 
 @pytest.fixture
