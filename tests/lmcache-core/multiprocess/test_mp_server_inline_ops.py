@@ -10,6 +10,8 @@ from __future__ import annotations
 import threading
 import types
 
+import pytest
+
 from lmcache.v1.multiprocess import protocol as P
 from lmcache.v1.multiprocess.client import MPClient
 from lmcache.v1.multiprocess.server import MPCacheServer
@@ -64,59 +66,57 @@ def _key(rid: str) -> P.IPCCacheServerKey:
     )
 
 
-def test_bookkeeping_ops_run_inline_only_behind_an_idle_slot():
+@pytest.fixture
+def served():
+    """(recording engine, client of a real server loop in front of it)."""
     engine = _RecordingEngine()
     server = MPCacheServer(engine)  # type: ignore[arg-type]
-    url = server.start()
-    client = MPClient(url, default_timeout=20)
+    client = MPClient(server.start(), default_timeout=20)
     try:
-        # idle slot: the op runs on the loop thread
-        assert client.call("prepare_store", _key("a"), 1) is True
-        assert engine.ran == [("prepare_store", "mq-server-thread")]
-
-        # busy slot: a transfer of this peer blocks on the slot's thread
-        slow = client.submit("retrieve", _key("b"), 1, [[0]])
-        queued = client.submit("commit_retrieve", _key("b"), 1)
-        # the loop handles a peer's messages in order: once this SYNC op is answered, both
-        # ops above were dispatched
-        assert client.call("noop") == "OK"
-        assert [name for name, _ in engine.ran] == ["prepare_store"]  # nothing overtook
-        engine.release.set()
-        assert slow.result(20) == [b"", True]
-        assert queued.result(20) is True
-        assert [name for name, _ in engine.ran] == [
-            "prepare_store",
-            "blocking op",
-            "commit_retrieve",
-        ]
-        assert engine.ran[2][1].startswith("mp-affinity-0")  # queued behind it, same slot
-
-        # the slot is idle again: inline once more
-        assert client.call("commit_retrieve", _key("c"), 1) is True
-        assert engine.ran[3] == ("commit_retrieve", "mq-server-thread")
+        yield engine, client
     finally:
         engine.release.set()
         client.close()
         server.stop()
 
 
-def test_request_teardown_is_answered_while_the_normal_pool_is_busy():
-    engine = _RecordingEngine()
-    server = MPCacheServer(engine)  # type: ignore[arg-type]
-    url = server.start()
-    client = MPClient(url, default_timeout=20)
-    try:
-        # both normal-pool threads (max_cpu_workers=2) block in a clear
-        clears = [client.submit("clear", True) for _ in range(2)]
-        assert client.call("free_lookup_locks", _key("a"), 1, timeout=10) is None
-        assert client.call("end_session", "a", timeout=10) is None
-        assert engine.ran == [
-            ("free_lookup_locks", "mq-server-thread"),
-            ("end_session", "mq-server-thread"),
-        ]
-        engine.release.set()
-        assert [f.result(20) for f in clears] == [[b"", True]] * 2
-    finally:
-        engine.release.set()
-        client.close()
-        server.stop()
+def test_bookkeeping_ops_run_inline_only_behind_an_idle_slot(served):
+    engine, client = served
+    # idle slot: the op runs on the loop thread
+    assert client.call("prepare_store", _key("a"), 1) is True
+    assert engine.ran == [("prepare_store", "mq-server-thread")]
+
+    # busy slot: a transfer of this peer blocks on the slot's thread
+    slow = client.submit("retrieve", _key("b"), 1, [[0]])
+    queued = client.submit("commit_retrieve", _key("b"), 1)
+    # the loop handles a peer's messages in order: once this SYNC op is answered, both
+    # ops above were dispatched
+    assert client.call("noop") == "OK"
+    assert [name for name, _ in engine.ran] == ["prepare_store"]  # nothing overtook
+    engine.release.set()
+    assert slow.result(20) == [b"", True]
+    assert queued.result(20) is True
+    assert [name for name, _ in engine.ran] == [
+        "prepare_store",
+        "blocking op",
+        "commit_retrieve",
+    ]
+    assert engine.ran[2][1].startswith("mp-affinity-0")  # queued behind it, same slot
+
+    # the slot is idle again: inline once more
+    assert client.call("commit_retrieve", _key("c"), 1) is True
+    assert engine.ran[3] == ("commit_retrieve", "mq-server-thread")
+
+
+def test_request_teardown_is_answered_while_the_normal_pool_is_busy(served):
+    engine, client = served
+    # both normal-pool threads (max_cpu_workers=2) block in a clear
+    clears = [client.submit("clear", True) for _ in range(2)]
+    assert client.call("free_lookup_locks", _key("a"), 1, timeout=10) is None
+    assert client.call("end_session", "a", timeout=10) is None
+    assert engine.ran == [
+        ("free_lookup_locks", "mq-server-thread"),
+        ("end_session", "mq-server-thread"),
+    ]
+    engine.release.set()
+    assert [f.result(20) for f in clears] == [[b"", True]] * 2
