@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -15,11 +16,13 @@ from lmcache.v1.multiprocess.client import MPClient
 
 
 def _lmcache(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
     return subprocess.run(
         [sys.executable, "-m", "lmcache.cli.main", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
+        env=env,
     )
 
 
@@ -113,6 +116,10 @@ def test_bench_server_verifies_and_reports(bench_srv, tmp_path, mode):
     for op in ("cold_store", "warm_retrieve", "cold_lookup", "warm_lookup", "cached_lookup"):
         assert f"{op}_p50_ms" in m and f"{op}_p99_ms" in m and op in m
     assert "gbps" in m["cold_store"] and "gbps" in m["warm_retrieve"]
+    # while the server copies its KV, the simulated engine's OpenMP threads sleep
+    assert data["config"]["omp_wait_policy"] == (
+        "PASSIVE" if mode == "lmcache_driven" else "default"
+    )
     if mode == "engine_driven":
         assert set(m["baselines"]) == {
             "rpc_noop",
