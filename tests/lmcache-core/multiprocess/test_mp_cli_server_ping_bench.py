@@ -131,6 +131,50 @@ def test_bench_server_verifies_and_reports(bench_srv, tmp_path, mode):
         assert all(b["p50_ms"] > 0 for b in m["baselines"].values())
 
 
+_SEE_PROCESS_BEFORE_FLAGS = """
+import json, os, sys
+import lmcache.cli.main as cli
+
+def build_parser():  # building the flags loads torch, and libgomp with it
+    print(json.dumps({"policy": os.environ.get("OMP_WAIT_POLICY"), "torch": "torch" in sys.modules}))
+    raise SystemExit(0)
+
+cli.build_parser = build_parser
+cli.main(sys.argv[1:])
+"""
+
+
+@pytest.mark.parametrize(
+    "mode,preset,policy",
+    [
+        ("lmcache_driven", None, "PASSIVE"),
+        ("lmcache_driven", "ACTIVE", "ACTIVE"),  # the user's setting stands
+        ("engine_driven", None, None),
+    ],
+)
+def test_bench_server_sets_openmp_up_before_torch_loads(mode, preset, policy):
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    if preset:
+        env["OMP_WAIT_POLICY"] = preset
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            _SEE_PROCESS_BEFORE_FLAGS,
+            "bench",
+            "server",
+            "--transfer-mode",
+            mode,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert json.loads(r.stdout) == {"policy": policy, "torch": False}
+
+
 def test_http_prefetch_and_checksums(lmcache_server, mp):
     srv = lmcache_server()
     kv = mp.make_kv()

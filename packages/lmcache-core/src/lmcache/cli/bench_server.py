@@ -33,6 +33,7 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from lmcache.cli.errors import CLIError
@@ -122,14 +123,28 @@ class _Progress:
                 sys.stderr.write("\n")
 
 
-def run(args: argparse.Namespace) -> int:
-    if args.transfer_mode == "lmcache_driven":
-        # The server copies this process's KV while it waits for the reply. After each
-        # parallel region (the simulator's zero_ and compares) libgomp keeps its threads
-        # spinning for a while, and on a small host they take the cores the server's copy
-        # needs: stores and retrieves came out ~25% slower on 2 cores. An engine's threads
-        # compute or sleep meanwhile. libgomp reads this once, when torch loads it.
+def prepare_process(argv: Sequence[str]) -> None:
+    """Process settings that must precede torch (``lmcache.cli.main`` calls this before it
+    builds the flags, which loads torch; libgomp reads its settings once, when it loads).
+
+    With ``--transfer-mode lmcache_driven`` the server copies this process's KV while it
+    waits for the reply. After each parallel region (the simulator's ``zero_`` and compares)
+    libgomp keeps its threads spinning for a while, and on a small host they take the cores
+    the server's copy needs: stores and retrieves came out 15-30% slower on 2 cores. An
+    engine's threads compute or sleep meanwhile, so the simulator's sleep
+    (``OMP_WAIT_POLICY=PASSIVE``, unless set). In engine_driven mode the simulator copies
+    itself, with spinning threads, as an engine would."""
+    mode = None
+    for i, arg in enumerate(argv):
+        if arg == "--transfer-mode" and i + 1 < len(argv):
+            mode = argv[i + 1]
+        elif arg.startswith("--transfer-mode="):
+            mode = arg.split("=", 1)[1]
+    if mode == "lmcache_driven":
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+def run(args: argparse.Namespace) -> int:
     import torch
 
     from lmcache.v1.multiprocess import protocol as P

@@ -37,6 +37,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:2] == ["bench", "server"]:
+        from lmcache.cli.bench_server import prepare_process
+
+        prepare_process(argv)
     parser = build_parser()
     args = parser.parse_args(argv)
     func = getattr(args, "func", None)
