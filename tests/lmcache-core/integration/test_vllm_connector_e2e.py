@@ -160,8 +160,10 @@ def test_preemption_flushes_and_the_request_resumes(server, engines):
     e = engines()
     e.add_request("p", prompt, max_new_tokens=6)
     req = e.requests["p"]
-    while not (req.status == "running" and req.num_computed_tokens > len(prompt)):
-        e.step()  # until the prompt ran (and its STORE was issued) and decoding started
+    # until the prompt ran (and its STORE was issued) and decoding started
+    assert wait_until(
+        lambda: req.status == "running" and req.num_computed_tokens > len(prompt), step=e.step
+    ), req.status
     e.preempt("p")
     e.step()
     assert e.metas[-1].need_flush_before_forward is True
@@ -178,9 +180,19 @@ def test_abort_while_loading_frees_locks(server, engines):
     store_prompt(engines, prompt)
     warm = engines()
     warm.add_request("x", prompt)
-    while warm.requests["x"].status != "loading":
-        warm.step()
-    assert warm.abort("x") is False
+    aborted: list[bool] = []
+
+    def abort_once_loading() -> None:
+        # In the step that schedules the load, after the scheduler issued it: a load can
+        # finish within that same step, so "loading" is not always seen between steps.
+        if not aborted and warm.requests["x"].status == "loading":
+            aborted.append(warm.abort("x"))
+
+    wait_until(
+        lambda: aborted or warm.requests["x"].status == "finished",
+        step=lambda: warm.step(before_workers=abort_once_loading),
+    )
+    assert aborted == [False], f"never aborted while loading: {warm.match_results.get('x')}"
     warm.run()
     assert_no_locks(server)
 
