@@ -131,9 +131,9 @@ def prepare_process(argv: Sequence[str]) -> None:
     waits for the reply. After each parallel region (the simulator's ``zero_`` and compares)
     libgomp keeps its threads spinning for a while, and on a small host they take the cores
     the server's copy needs: stores and retrieves came out 15-30% slower on 2 cores. An
-    engine's threads compute or sleep meanwhile, so the simulator's sleep
+    engine's threads compute or sleep meanwhile, so the simulator's threads sleep too
     (``OMP_WAIT_POLICY=PASSIVE``, unless set). In engine_driven mode the simulator copies
-    itself, with spinning threads, as an engine would."""
+    itself, with OpenMP's defaults, as an engine would."""
     mode = None
     for i, arg in enumerate(argv):
         if arg == "--transfer-mode" and i + 1 < len(argv):
