@@ -33,6 +33,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
+from testsupport.waiting import eventually
 
 
 def free_port() -> int:
@@ -182,11 +183,7 @@ def stop_process(pid: int, timeout: float = 10.0) -> None:
     the kernel picked to take it gets a CPU, and until then its other threads keep running
     (on a busy 2-core host long enough to answer a request that was sent right after)."""
     os.kill(pid, signal.SIGSTOP)
-    deadline = time.monotonic() + timeout
-    while not _all_threads_stopped(pid):
-        if time.monotonic() >= deadline:
-            pytest.fail(f"process {pid} did not stop within {timeout} s of SIGSTOP")
-        time.sleep(0.01)
+    eventually(lambda: _all_threads_stopped(pid), f"every thread of process {pid} stopped", timeout)
 
 
 @pytest.fixture

@@ -147,9 +147,10 @@ cli.main(sys.argv[1:])
 @pytest.mark.parametrize(
     "mode,preset,policy",
     [
-        ("lmcache_driven", None, "PASSIVE"),
-        ("lmcache_driven", "ACTIVE", "ACTIVE"),  # the user's setting stands
-        ("engine_driven", None, None),
+        (["--transfer-mode", "lmcache_driven"], None, "PASSIVE"),
+        (["--transfer=lmcache_driven"], None, "PASSIVE"),  # spelled as argparse accepts it
+        (["--transfer-mode", "lmcache_driven"], "ACTIVE", "ACTIVE"),  # the user's setting stands
+        (["--transfer-mode", "engine_driven"], None, None),
     ],
 )
 def test_bench_server_sets_openmp_up_before_torch_loads(mode, preset, policy):
@@ -163,8 +164,7 @@ def test_bench_server_sets_openmp_up_before_torch_loads(mode, preset, policy):
             _SEE_PROCESS_BEFORE_FLAGS,
             "bench",
             "server",
-            "--transfer-mode",
-            mode,
+            *mode,
         ],
         capture_output=True,
         text=True,

@@ -134,12 +134,10 @@ def prepare_process(argv: Sequence[str]) -> None:
     engine's threads compute or sleep meanwhile, so the simulator's threads sleep too
     (``OMP_WAIT_POLICY=PASSIVE``, unless set). In engine_driven mode the simulator copies
     itself, with OpenMP's defaults, as an engine would."""
-    mode = None
-    for i, arg in enumerate(argv):
-        if arg == "--transfer-mode" and i + 1 < len(argv):
-            mode = argv[i + 1]
-        elif arg.startswith("--transfer-mode="):
-            mode = arg.split("=", 1)[1]
+    # argparse reads the flag as the full parser will (also "--transfer-mode=x", "--transfer x")
+    peek = argparse.ArgumentParser(add_help=False)
+    peek.add_argument("--transfer-mode")
+    mode = peek.parse_known_args(list(argv))[0].transfer_mode
     if mode == "lmcache_driven":
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
