@@ -120,6 +120,9 @@ def test_bench_server_verifies_and_reports(bench_srv, tmp_path, mode):
     assert data["config"]["omp_wait_policy"] == (
         "PASSIVE" if mode == "lmcache_driven" else "default"
     )
+    # the bench's synchronous calls busy-poll for quick replies (client.SpinPolicy)
+    spin = data["config"]["client_spin"]
+    assert spin["spin_us"] == 500 and spin["polled"] > 0 and spin["caught"] <= spin["polled"]
     if mode == "engine_driven":
         assert set(m["baselines"]) == {
             "rpc_noop",

@@ -3,8 +3,9 @@
 ``call`` sends and receives in the calling thread while it holds the socket (a blocking
 ZeroMQ receive, at most ``_FAST_WAIT_S``); replies to other requests that it receives go
 to their futures; other threads' requests still go out while it waits; a slower reply
-falls back to the polling thread; and the polling thread watches the socket again for
-asynchronous requests after any number of synchronous calls.
+falls back to the polling thread; the polling thread watches the socket again for
+asynchronous requests after any number of synchronous calls; and ``call`` busy-polls for a
+reply only as long as replies to that op come within its window (``SpinPolicy``).
 """
 
 from __future__ import annotations
@@ -14,9 +15,16 @@ import threading
 import msgspec
 import pytest
 import zmq
+from testsupport.waiting import eventually
 
 from lmcache.v1.multiprocess import protocol as P
-from lmcache.v1.multiprocess.client import LMCacheTimeoutError, MPClient, RemoteError
+from lmcache.v1.multiprocess.client import (
+    SPIN_ENV,
+    LMCacheTimeoutError,
+    MPClient,
+    RemoteError,
+    SpinPolicy,
+)
 
 
 class _HandRouter:
@@ -163,3 +171,95 @@ def test_call_on_a_closed_client_raises(router):
     c.close()
     with pytest.raises(ConnectionError):
         c.call("noop")
+
+
+def test_spin_policy_backs_an_op_off_exponentially_and_a_caught_reply_resets_it():
+    policy = SpinPolicy(500)
+    pattern = []
+    for _ in range(200):
+        if policy.should_poll(b"store"):
+            pattern.append("P")
+            policy.record(b"store", caught=False)
+        else:
+            pattern.append(".")
+    polls = [i for i, x in enumerate(pattern) if x == "P"]
+    gaps = [b - a - 1 for a, b in zip(polls, polls[1:], strict=False)]
+    assert gaps[:8] == [1, 2, 4, 8, 16, 32, 64, 64]  # calls skipped after each miss
+    assert policy.should_poll(b"noop")  # per op: another op still polls
+    while not policy.should_poll(b"store"):
+        pass
+    policy.record(b"store", caught=True)
+    assert all(policy.should_poll(b"store") for _ in range(10))  # a catch resets the penalty
+    stats = policy.stats()
+    assert stats["spin_us"] == 500 and stats["caught"] == 1
+    assert stats["polled"] == len(polls) + 1 and stats["skipped"] == pattern.count(".") + 64
+    off = SpinPolicy(0)
+    assert not any(off.should_poll(b"noop") for _ in range(5))
+    assert off.stats()["skipped"] == 0  # off is not skipping
+
+
+def test_call_polls_for_a_quick_reply_and_backs_off_after_a_missed_window(router):
+    c = MPClient(router.url, default_timeout=10, spin_us=1e6)
+    try:
+        t, out = _call_in_thread(c.call, "noop")  # the first call may find the socket unopened
+        router.answer(router.request(), "warm-up")
+        t.join(10)
+        c.spin = SpinPolicy(1e6)
+        t, out = _call_in_thread(c.call, "noop")
+        router.answer(router.request(), "quick")  # well within the 1 s window
+        t.join(10)
+        assert out == {"value": "quick"}
+        assert (c.spin.polled, c.spin.caught) == (1, 1)
+        c.spin = SpinPolicy(200)
+        t, out = _call_in_thread(c.call, "noop")
+        req = router.request()
+        eventually(lambda: c.spin.polled == 1, "the call to give up polling")
+        router.answer(req, "slow")  # only after the window is over: a miss
+        t.join(10)
+        assert out == {"value": "slow"} and (c.spin.polled, c.spin.caught) == (1, 0)
+        t, out = _call_in_thread(c.call, "noop")
+        router.answer(router.request(), "not polled")
+        t.join(10)
+        assert out == {"value": "not polled"} and c.spin.skipped == 1 and c.spin.polled == 1
+        t, out = _call_in_thread(c.call, "get_chunk_size")  # another op polls as before
+        req = router.request()
+        eventually(lambda: c.spin.polled == 2, "the other op to poll")
+        router.answer(req, 256)
+        t.join(10)
+        assert out == {"value": 256}
+    finally:
+        c.close()
+
+
+@pytest.mark.parametrize(
+    ("env", "arg", "named"),
+    [
+        ("fast", None, SPIN_ENV),
+        ("-5", None, SPIN_ENV),
+        (None, -1.0, "spin_us"),
+        (None, 2e6, "spin_us"),
+    ],
+)
+def test_a_bad_spin_window_is_refused_with_its_source_and_the_fix(monkeypatch, env, arg, named):
+    if env is None:
+        monkeypatch.delenv(SPIN_ENV, raising=False)
+    else:
+        monkeypatch.setenv(SPIN_ENV, env)
+    with pytest.raises(ValueError, match=rf"{named}=.*0\.\.1e\+06.* 0 to never busy-poll"):
+        MPClient("tcp://127.0.0.1:1", spin_us=arg)
+
+
+def test_the_spin_window_comes_from_the_environment(monkeypatch, router):
+    monkeypatch.setenv(SPIN_ENV, "0")
+    c = MPClient(router.url, default_timeout=10)
+    try:
+        t, out = _call_in_thread(c.call, "noop")
+        router.answer(router.request(), "x")
+        t.join(10)
+        assert out == {"value": "x"} and c.spin.stats()["polled"] == 0
+    finally:
+        c.close()
+    monkeypatch.setenv(SPIN_ENV, " ")
+    c = MPClient(router.url, default_timeout=10)
+    c.close()
+    assert c.spin.stats()["spin_us"] == 500

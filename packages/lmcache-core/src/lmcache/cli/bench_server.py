@@ -209,6 +209,7 @@ def run(args: argparse.Namespace) -> int:
                 "transfer_mode": args.transfer_mode,
                 "context_mode": ctx.mode,
                 "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "default"),
+                "client_spin": client.spin.stats(),
                 "kvcache_shape_spec": args.kvcache_shape_spec,
                 "chunk_size": chunk,
                 "iterations": args.iterations,
