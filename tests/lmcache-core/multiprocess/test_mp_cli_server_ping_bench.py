@@ -138,7 +138,7 @@ _SEE_PROCESS_BEFORE_FLAGS = """
 import json, os, sys
 import lmcache.cli.main as cli
 
-def build_parser():  # building the flags loads torch, and libgomp with it
+def build_parser(*_):  # building the server's flags loads torch, and libgomp with it
     print(json.dumps({"policy": os.environ.get("OMP_WAIT_POLICY"), "torch": "torch" in sys.modules}))
     raise SystemExit(0)
 

@@ -16,12 +16,14 @@ BENCH_TARGETS: tuple[tuple[str, str], ...] = (
 )
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction, with_flags: bool = True) -> None:
     parser = subparsers.add_parser(
         "bench",
         help="run a benchmark and print JSON results",
         description="Benchmarks: kernels (copy ops), l2 (storage adapters), server (MP server).",
     )
+    if not with_flags:
+        return
     targets = parser.add_subparsers(dest="bench_target", metavar="TARGET")
     for _name, module_name in BENCH_TARGETS:
         importlib.import_module(module_name).register(targets)

@@ -1,7 +1,8 @@
 """``lmcache`` console script: dispatches to one module per subcommand.
 
-Each subcommand module exposes ``register(subparsers)``; the parser it adds sets
-``func`` (a callable taking the parsed namespace and returning an exit code).
+Each subcommand module exposes ``register(subparsers, with_flags)``; the parser it adds
+sets ``func`` (a callable taking the parsed namespace and returning an exit code). Without
+``with_flags`` it adds only its name and one-line help (see ``build_parser``).
 """
 
 from __future__ import annotations
@@ -24,15 +25,19 @@ SUBCOMMANDS: tuple[tuple[str, str], ...] = (
 )
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The ``lmcache`` parser. With ``command`` (the first word of the command line), only
+    that subcommand gets its flags and the others are listed with their one-line help:
+    the server's flags name the installed L2 adapter types, and loading those loads torch
+    (~2 s), which ``lmcache ping`` or ``lmcache --help`` should not wait for."""
     parser = argparse.ArgumentParser(
         prog="lmcache",
         description="LMCache-compatible KV-cache layer for LLM serving engines.",
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for _name, module_name in SUBCOMMANDS:
+    for name, module_name in SUBCOMMANDS:
         module = importlib.import_module(module_name)
-        module.register(subparsers)
+        module.register(subparsers, with_flags=command is None or command == name)
     return parser
 
 
@@ -42,7 +47,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from lmcache.cli.bench_server import prepare_process
 
         prepare_process(argv)
-    parser = build_parser()
+    parser = build_parser(argv[0] if argv else "")
     args = parser.parse_args(argv)
     func = getattr(args, "func", None)
     if func is None:

@@ -14,10 +14,12 @@ import time
 from lmcache.cli.errors import CLIError
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction, with_flags: bool = True) -> None:
     parser = subparsers.add_parser(
         "ping", help="check that an lmcache server answers (RTT)", description=__doc__
     )
+    if not with_flags:
+        return
     parser.add_argument(
         "--url", default="localhost:5555", help="server RPC URL (default localhost:5555)"
     )

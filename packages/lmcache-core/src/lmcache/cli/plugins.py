@@ -17,13 +17,15 @@ from typing import Any
 from lmcache.cli.errors import CLIError
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction, with_flags: bool = True) -> None:
     parser = subparsers.add_parser(
         "plugins",
         help="list device backends and L2 adapter types, and plugins that failed to load",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    if not with_flags:
+        return
     parser.add_argument("--json", action="store_true", help="print one JSON document")
     parser.set_defaults(func=run)
 

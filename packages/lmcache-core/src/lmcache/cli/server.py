@@ -239,13 +239,15 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     _fill_missing_help(parser)
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction, with_flags: bool = True) -> None:
     parser = subparsers.add_parser(
         "server",
         help="run the multiprocess KV-cache server",
         description=__doc__,
         formatter_class=_HelpFormatter,
     )
+    if not with_flags:
+        return
     add_server_args(parser)
 
     def one_line_error(message: str) -> None:

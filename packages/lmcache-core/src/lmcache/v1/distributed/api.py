@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from lmcache.lmcache_native import Bitmap
+
+if TYPE_CHECKING:  # torch loads where a layout is built, not with the contract (CLI start-up)
+    import torch
 
 __all__ = [
     "Bytes2IntHash",
@@ -188,6 +189,8 @@ class MemoryLayoutDesc:
                 f"MemoryLayoutDesc needs as many dtypes as shapes (got {len(self.shapes)} shapes, "
                 f"{len(self.dtypes)} dtypes)"
             )
+        import torch
+
         self.shapes = [torch.Size(s) for s in self.shapes]
 
     def nbytes(self) -> int:
