@@ -69,6 +69,7 @@ def test_ping_alive_and_dead(bench_srv, free_tcp_port, capsys):
     assert main(["ping", "--url", bench_srv.rpc_url, "--count", "2", "--json"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["alive"] is True and out["chunk_size"] == 256 and out["count"] == 2
+    assert out["connect_ms"] > 0  # the connection set-up is not one of the pings
     code = main(["ping", "--url", f"127.0.0.1:{free_tcp_port}", "--timeout", "0.5", "--count", "1"])
     err = capsys.readouterr().err
     assert code == 1 and "no reply" in err and "Traceback" not in err

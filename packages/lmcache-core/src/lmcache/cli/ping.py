@@ -1,7 +1,8 @@
 """``lmcache ping``: is an ``lmcache server`` alive, and how long is a round trip?
 
-Sends ``ping`` (op 22) ``--count`` times and prints each RTT; exits 1 when the server
-does not answer within ``--timeout`` seconds.
+Connects (asking the chunk size, timed apart as ``connect_ms``), then sends ``ping``
+(op 22) ``--count`` times and prints each RTT; exits 1 when the server does not answer
+within ``--timeout`` seconds.
 """
 
 from __future__ import annotations
@@ -41,25 +42,37 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise CLIError(str(exc)) from None
     rtts: list[float] = []
+
+    def no_reply() -> CLIError:
+        return CLIError(
+            f"no reply from {url} within {args.timeout} s; is `lmcache server` running there?", 1
+        )
+
     with MPClient(url, default_timeout=args.timeout) as client:
+        # The first request also sets up the connection: timed apart from the pings.
+        t0 = time.perf_counter()
+        try:
+            chunk_size = client.get_chunk_size(timeout=args.timeout)
+        except LMCacheTimeoutError:
+            raise no_reply() from None
+        connect_ms = (time.perf_counter() - t0) * 1000
+        if not args.json:
+            print(f"connected to {url} in {connect_ms:.3f} ms (chunk_size {chunk_size})")
         for _ in range(args.count):
             t0 = time.perf_counter()
             try:
                 client.ping(None)
             except LMCacheTimeoutError:
-                raise CLIError(
-                    f"no reply from {url} within {args.timeout} s; is `lmcache server` running there?",
-                    1,
-                ) from None
+                raise no_reply() from None
             rtts.append((time.perf_counter() - t0) * 1000)
             if not args.json:
                 print(f"reply from {url}: time={rtts[-1]:.3f} ms")
-        chunk_size = client.get_chunk_size(timeout=args.timeout)
     summary = {
         "url": url,
         "alive": True,
         "count": len(rtts),
         "chunk_size": chunk_size,
+        "connect_ms": connect_ms,
         "rtt_ms_min": min(rtts),
         "rtt_ms_p50": statistics.median(rtts),
         "rtt_ms_max": max(rtts),
