@@ -8,11 +8,13 @@ import argparse
 import itertools
 import logging
 import socket
+import threading
 import types
 
 import pytest
 import torch
 
+from lmcache.v1.multiprocess import protocol as P
 from lmcache.v1.multiprocess.client import MPClient
 from lmcache.v1.multiprocess.protocol import RemoteError
 from lmcache.v1.multiprocess.transfer_context import create_transfer_context
@@ -154,6 +156,55 @@ def test_cpu_worker_registers_with_the_stub_backend(server, client):
         ctx.unregister()
         ctx.close()
     assert iid not in server.engine.instances
+
+
+def test_cpu_kv_copies_of_every_worker_run_on_one_host_copy_thread(server, monkeypatch):
+    """Each worker's transfers run on its own affinity slot, but the server's copies of CPU
+    KV all run on one thread: libgomp keeps a thread team per thread that ran a parallel
+    copy, and more OpenMP threads than cores make every later copy wait for wake-ups."""
+    from lmcache.v1.multiprocess.transfer_context import base
+
+    copied_on: list[str] = []
+    for name in ("gather_paged_kv_to_cpu", "scatter_cpu_to_paged_kv"):
+
+        def recording(*args, _real=getattr(base, name), **kwargs):
+            copied_on.append(threading.current_thread().name)
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(base, name, recording)
+    for worker in range(2):  # two clients: two affinity slots
+        c = MPClient(f"tcp://127.0.0.1:{server.config.port}", default_timeout=20)
+        kv = [torch.randn(2, 40, 16, 2, 8).half() for _ in range(2)]
+        ctx = create_transfer_context(
+            kv, instance_id=next(_ids), req_client=c, mode="lmcache_driven"
+        )
+        try:
+            ctx.register("checks-host-copy", 1)
+            tokens = [worker * 1000 + t for t in range(1, 257)]
+
+            def key(worker_id, rid=f"host-copy-{worker}", tokens=tokens):
+                return P.IPCCacheServerKey(
+                    model_name="checks-host-copy",
+                    world_size=1,
+                    worker_id=worker_id,
+                    token_ids=tokens,
+                    start=0,
+                    end=256,
+                    request_id=rid,
+                    num_kv_readers=1,
+                )
+
+            assert ctx.submit_store(key(0), list(range(1, 17))).result(20)
+            assert c.lookup_hits(key(None), 10.0) == 1
+            assert ctx.submit_retrieve(key(0), list(range(17, 33))).result(20)
+            for t in kv:
+                assert torch.equal(t[:, 1:17], t[:, 17:33])
+        finally:
+            ctx.unregister()
+            ctx.close()
+            c.close()
+    assert len(copied_on) == 4
+    assert len(set(copied_on)) == 1 and copied_on[0].startswith("mp-host-copy"), copied_on
 
 
 def _register_failing(server, client, factory, engine_log):

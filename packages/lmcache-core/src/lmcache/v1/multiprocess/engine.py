@@ -212,6 +212,9 @@ class CacheEngine:
         self._leased_reads: list[tuple[float, PendingRead]] = []
         self._warned_early_exit: set[tuple[str, int]] = set()
         self._lookup_waiters = ThreadPoolExecutor(8, thread_name_prefix="mp-lookup-wait")
+        # The copies between L1 and the CPU KV caches of lmcache_driven workers all run on
+        # this one thread (see _copy_host_kv).
+        self._host_copier = ThreadPoolExecutor(1, thread_name_prefix="mp-host-copy")
         self._parker = _Parker()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -268,10 +271,27 @@ class CacheEngine:
         for t in self._threads:
             t.join(timeout=5)
         self._lookup_waiters.shutdown(wait=False, cancel_futures=True)
+        self._host_copier.shutdown(wait=False, cancel_futures=True)
         for inst_id in list(self.instances):
             self._drop_instance(inst_id, reason="shutdown")
 
     # ------------------------------------------------------------------ helpers
+    def _copy_host_kv(self, inst: Instance, copy: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+        """Runs a gather/scatter of ``inst``'s KV: on the host-copy thread when the KV caches
+        are CPU tensors, else (device copies on the slot's stream) in the calling thread.
+
+        torch splits each of a request's many small CPU copies over OpenMP threads, and
+        libgomp keeps a thread team per thread that ever ran a parallel region. Once a
+        process has more OpenMP threads than cores, libgomp's workers stop spinning between
+        regions (100 spins instead of 300000, GOMP_SPINCOUNT), so every copy waits for a
+        worker to be woken. With each affinity slot copying for itself, a 64 MiB
+        lmcache_driven store took 12-13 ms until a second slot had copied, 22-26 ms after
+        (2 cores, server-side gather 5.9 then ~3 GB/s); one copying thread keeps one team.
+        """
+        if not inst.kv_caches or inst.kv_caches[0].device.type != "cpu":
+            return copy(*args, **kw)
+        return self._host_copier.submit(copy, *args, **kw).result()
+
     def _keys(
         self, hashes: list[bytes], first: int, last: int, key: P.IPCCacheServerKey, ranks
     ) -> list[list[Any]]:
@@ -989,7 +1009,9 @@ class CacheEngine:
                 lay = self.layouts[inst.layout_key]
                 outs = [_obj_tensor(res.objs[keys[i]], lay) for i in res.positions]
                 t0 = time.perf_counter()
-                gather_paged_kv_to_cpu(
+                self._copy_host_kv(
+                    inst,
+                    gather_paged_kv_to_cpu,
                     inst.kv_caches,
                     ids[: len(keys) * bpc],
                     bpc,
@@ -1035,7 +1057,9 @@ class CacheEngine:
                 return (b"", False)
             lay = self.layouts[inst.layout_key]
             t0 = time.perf_counter()
-            scatter_cpu_to_paged_kv(
+            self._copy_host_kv(
+                inst,
+                scatter_cpu_to_paged_kv,
                 inst.kv_caches,
                 ids[: len(keys) * bpc],
                 [_obj_tensor(o, lay) for o in objs],
