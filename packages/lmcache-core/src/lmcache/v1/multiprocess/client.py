@@ -691,7 +691,10 @@ class MPClient:
                 self._flush(sock)  # requests other threads queued first: per-client FIFO
             send_frames(sock, frames)  # a failure raises here, to this caller
             if self.spin.should_poll(op_bytes):
-                self.spin.record(op_bytes, self._poll_for_input(sock, self.spin.window_s))
+                window = self.spin.window_s  # never past the call's own timeout
+                if timeout is not None:
+                    window = min(window, max(0.0, timeout))
+                self.spin.record(op_bytes, self._poll_for_input(sock, window))
             end = t0 + budget
             while mine is None and not self._closed:
                 try:
