@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 from testsupport.waiting import eventually
@@ -175,12 +173,7 @@ def mock(capacity_bytes: int) -> MockL2Adapter:
 
 def store(adapter: MockL2Adapter, keys, size: int = 100) -> None:
     tid = adapter.submit_store_task(keys, [BytesBufferMemoryObj(bytes(size)) for _ in keys])
-    deadline = time.time() + 5
-    while time.time() < deadline:
-        if tid in adapter.pop_completed_store_tasks():
-            return
-        time.sleep(0.002)
-    raise AssertionError("store did not complete")
+    eventually(lambda: tid in adapter.pop_completed_store_tasks(), "the L2 store to complete")
 
 
 def test_per_salt_quota_eviction():

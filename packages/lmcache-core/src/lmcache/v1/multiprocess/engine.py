@@ -277,8 +277,9 @@ class CacheEngine:
 
     # ------------------------------------------------------------------ helpers
     def _copy_host_kv(self, inst: Instance, copy: Callable[..., Any], *args: Any, **kw: Any) -> Any:
-        """Runs a gather/scatter of ``inst``'s KV: on the host-copy thread when the KV caches
-        are CPU tensors, else (device copies on the slot's stream) in the calling thread.
+        """``copy(inst.kv_caches, *args, **kw)`` (a gather or scatter of the worker's KV): on
+        the host-copy thread when the KV caches are CPU tensors, else (device copies on the
+        slot's stream) in the calling thread.
 
         torch splits each of a request's many small CPU copies over OpenMP threads, and
         libgomp keeps a thread team per thread that ever ran a parallel region. Once a
@@ -289,8 +290,8 @@ class CacheEngine:
         (2 cores, server-side gather 5.9 then ~3 GB/s); one copying thread keeps one team.
         """
         if not inst.kv_caches or inst.kv_caches[0].device.type != "cpu":
-            return copy(*args, **kw)
-        return self._host_copier.submit(copy, *args, **kw).result()
+            return copy(inst.kv_caches, *args, **kw)
+        return self._host_copier.submit(copy, inst.kv_caches, *args, **kw).result()
 
     def _keys(
         self, hashes: list[bytes], first: int, last: int, key: P.IPCCacheServerKey, ranks
@@ -1012,7 +1013,6 @@ class CacheEngine:
                 self._copy_host_kv(
                     inst,
                     gather_paged_kv_to_cpu,
-                    inst.kv_caches,
                     ids[: len(keys) * bpc],
                     bpc,
                     layout_hints=inst.layout_hints,
@@ -1060,7 +1060,6 @@ class CacheEngine:
             self._copy_host_kv(
                 inst,
                 scatter_cpu_to_paged_kv,
-                inst.kv_caches,
                 ids[: len(keys) * bpc],
                 [_obj_tensor(o, lay) for o in objs],
                 bpc,
