@@ -240,7 +240,7 @@ def test_0_5_6_lmcache_driven_bench_checksum_passes_against_ours(start_pair, che
 )
 def test_0_5_6_cli_works_through_our_request_guard(server_pair, lmcache_cli, args, expect):
     # 0.5.6's CLI sends Host: localhost:<port>, JSON bodies with their content type, and
-    # bodyless POSTs without one: the guard must let all of them through.
+    # bodyless requests (quota delete) without one: the guard must let all of them through.
     ours = server_pair["ours"]
     url = ours.http_url.replace("127.0.0.1", "localhost")
     proc = lmcache_cli(server_pair["theirs"].venv, *args, "--url", url)

@@ -12,8 +12,8 @@ hundreds of MiB:
   ``Content-Type`` other than ``application/json`` (or ``*/*+json``), or with a body but no
   ``Content-Type``, is refused (415): HTML forms can only send urlencoded, multipart or
   text/plain bodies, so a cross-site form post never reaches a route. A request without a
-  body is allowed with or without a content type (0.5.6's CLI and ``curl -X POST`` send
-  ``/cache/clear`` like that), unless it carries browser cross-site markers: an ``Origin``
+  body is allowed with or without a content type (0.5.6's ``quota delete`` and ``curl -X
+  POST .../cache/clear`` send requests like that), unless it carries browser cross-site markers: an ``Origin``
   that is not this server, or ``Sec-Fetch-Site: cross-site`` (403). Command-line clients
   send neither.
 * Body size: at most ``max_body_bytes`` (default 16 MiB: a 1M-token prefetch, 0.5.6's own
