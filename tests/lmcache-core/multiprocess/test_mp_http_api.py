@@ -377,6 +377,8 @@ def test_quota_routes_drive_the_l2_quota_manager(api, runtime):
     for bad in ({"x": 1}, {"limit_gb": -1}, {"limit_gb": "many"}, {"limit_gb": "nan"}):
         r = api.put("/quota/bob", json=bad)
         assert r.status_code == 400 and "error" in r.json()
+    broken = api.put("/quota/bob", content=b"{nope", headers={"Content-Type": "application/json"})
+    assert broken.status_code == 400 and broken.json() == {"error": "invalid JSON body"}
     assert "bob" not in qm.list_quotas()
 
 

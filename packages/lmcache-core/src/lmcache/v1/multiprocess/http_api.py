@@ -23,7 +23,7 @@ import traceback
 from importlib import metadata
 from typing import Any
 
-from fastapi import FastAPI, HTTPException, Query
+from fastapi import Body, FastAPI, HTTPException, Query, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from lmcache.utils import init_logger
@@ -34,6 +34,7 @@ logger = init_logger(__name__)
 
 MAX_DELETE_BATCH = 10_000  # keys per DELETE /cache/objects (0.5.6's cap)
 MAX_PREFETCH_TOKENS = 1_000_000  # token ids per POST /cache/prefetches (0.5.6's cap)
+MAX_TRACKED_PREFETCHES = 4096  # submitted prefetches remembered until their status is read
 ENGINE_TYPE = "MPCacheServer"  # what 0.5.6 reports (its engine's class name)
 _GB = 1024**3
 # 0.5.6's URL stand-in for the empty (anonymous) cache_salt in /quota/{cache_salt}.
@@ -235,6 +236,8 @@ def _build_routes(runtime: Any) -> FastAPI:
         except (ValueError, TypeError) as exc:
             raise HTTPException(400, str(exc)) from None
         engine.lookup(RequestContext(b"http", frozenset(), lambda v: None), key)
+        while len(prefetches) >= MAX_TRACKED_PREFETCHES:  # never polled: forget the oldest
+            prefetches.pop(next(iter(prefetches)))
         prefetches[key.request_id] = {"total": chunks * body.world_size, "ws": body.world_size}
         return {"request_id": key.request_id, "chunks": chunks, "status": "submitted"}
 
@@ -377,7 +380,11 @@ def _build_routes(runtime: Any) -> FastAPI:
     quotas = storage.sm.quota_manager
 
     @app.put("/quota/{cache_salt}", response_model=M.QuotaSet)
-    def set_quota(cache_salt: str, body: Any = _json_body()) -> Any:
+    async def set_quota(cache_salt: str, request: Request) -> Any:
+        try:
+            body = await request.json()
+        except ValueError:
+            return _error(400, "invalid JSON body")
         if not isinstance(body, dict) or "limit_gb" not in body:
             return _error(400, "body must be {'limit_gb': <float>}")
         try:
@@ -437,7 +444,7 @@ def _build_routes(runtime: Any) -> FastAPI:
         return {"enabled": False, "backend": name, "num_adapters": 0, "adapters": []}
 
     @app.post("/reconfigure/{backend}/l2/{operation}", response_model=M.ErrorResponse)
-    def reconfigure_backend(backend: str, operation: str, body: Any = _json_body()) -> Any:
+    def reconfigure_backend(backend: str, operation: str, body: Any = Body(None)) -> Any:
         name = backend.strip().lower()
         if not name:
             return _error(400, "backend must be non-empty")
@@ -453,16 +460,10 @@ def _build_routes(runtime: Any) -> FastAPI:
 
     @app.post("/reconfigure/dax/l1/add", response_model=M.ErrorResponse)
     @app.post("/reconfigure/dax/l1/remove", response_model=M.ErrorResponse)
-    def l1_dax_change(body: Any = _json_body()) -> Any:
+    def l1_dax_change(body: Any = Body(None)) -> Any:
         return _error(409, _no_dax)
 
     return app
-
-
-def _json_body() -> Any:
-    from fastapi import Body
-
-    return Body(default=None)
 
 
 def _error(status_code: int, message: str) -> JSONResponse:

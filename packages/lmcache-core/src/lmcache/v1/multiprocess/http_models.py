@@ -76,7 +76,7 @@ class RootResponse(BaseModel):
     service: str
 
 
-class HealthResponse(BaseModel):
+class HealthResponse(_Open):
     status: str  # "healthy" / "unhealthy"
     reason: str | None = None
 
