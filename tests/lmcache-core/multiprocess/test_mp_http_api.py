@@ -567,6 +567,22 @@ def test_cross_origin_state_changes_are_refused(api, worker, headers):
     assert _l1_objects(api) == before >= 1
 
 
+def test_a_cross_site_page_cannot_set_log_levels(api):
+    import logging
+
+    lg = logging.getLogger("lmcache.http-csrf-test")
+    params = {"logger_name": lg.name, "level": "debug"}
+    r = api.get("/loglevel", params=params, headers={"Sec-Fetch-Site": "cross-site"})
+    assert r.status_code == 403 and lg.level == logging.NOTSET
+    r = api.get("/loglevel", params={"logger_name": lg.name}, headers={"Origin": "http://x.y"})
+    assert r.status_code == 200  # reading a level changes nothing
+
+
+def test_a_malformed_content_length_is_not_a_server_error(api):
+    r = api.post("/cache/clear", headers={"Content-Length": "abc"})
+    assert r.status_code < 500
+
+
 def test_same_origin_post_is_served(api):
     r = api.post("/cache/clear", headers={"Origin": BASE, "Sec-Fetch-Site": "same-origin"})
     assert r.status_code == 200

@@ -15,7 +15,8 @@ hundreds of MiB:
   body is allowed with or without a content type (0.5.6's ``quota delete`` and ``curl -X
   POST .../cache/clear`` send requests like that), unless it carries browser cross-site markers: an ``Origin``
   that is not this server, or ``Sec-Fetch-Site: cross-site`` (403). Command-line clients
-  send neither.
+  send neither. ``GET /loglevel?...&level=`` (0.5.6 sets log levels through a GET) gets the
+  same cross-site check.
 * Body size: at most ``max_body_bytes`` (default 16 MiB: a 1M-token prefetch, 0.5.6's own
   cap, is ~8 MB of JSON). A larger ``Content-Length`` is refused before anything is read,
   and a chunked body is read only up to the cap (413).
@@ -91,7 +92,7 @@ class AdminGuard:
             await self.app(scope, receive, send)
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        refusal = self._refusal(scope["method"].upper(), headers)
+        refusal = self._refusal(scope, headers)
         if refusal is None and scope["method"].upper() in STATE_CHANGING:
             body, refusal = await self._read_body(receive, headers)
             if refusal is None:
@@ -101,7 +102,8 @@ class AdminGuard:
             return
         await self.app(scope, receive, send)
 
-    def _refusal(self, method: str, headers: dict[str, str]) -> tuple[int, str] | None:
+    def _refusal(self, scope: Scope, headers: dict[str, str]) -> tuple[int, str] | None:
+        method = scope["method"].upper()
         host = headers.get("host", "")
         if self.check_host and not is_loopback_host(_hostname(host)):
             return 400, (
@@ -109,9 +111,12 @@ class AdminGuard:
                 "answers only requests for localhost/127.0.0.1/::1 (DNS-rebinding guard)"
             )
         if method not in STATE_CHANGING:
+            if _sets_log_level(scope):
+                return _cross_site(method, headers, host)
             return None
         content_type = headers.get("content-type")
-        has_body = int(headers.get("content-length") or 0) > 0 or "transfer-encoding" in headers
+        length = headers.get("content-length", "")
+        has_body = (length.isdigit() and int(length) > 0) or "transfer-encoding" in headers
         if content_type is not None and not _is_json(content_type):
             return 415, (
                 f"{method} bodies must be JSON (Content-Type: application/json), "
@@ -119,15 +124,10 @@ class AdminGuard:
             )
         if content_type is None and has_body:
             return 415, f"{method} with a body needs Content-Type: application/json"
-        origin = headers.get("origin")
-        if origin is not None and _hostport(origin) != host.strip().lower():
-            return 403, f"cross-origin {method} from {origin!r} refused (this API has no CORS)"
-        if headers.get("sec-fetch-site", "").lower() == "cross-site":
-            return 403, f"cross-site {method} refused (this API has no CORS)"
-        length = headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
+        refusal = _cross_site(method, headers, host)
+        if refusal is None and length.isdigit() and int(length) > self.max_body_bytes:
             return 413, self._too_large()
-        return None
+        return refusal
 
     def _too_large(self) -> str:
         return (
@@ -151,6 +151,21 @@ class AdminGuard:
             chunks.append(chunk)
             if not message.get("more_body", False):
                 return b"".join(chunks), None
+
+
+def _sets_log_level(scope: Scope) -> bool:
+    """``GET /loglevel?...&level=...``: the one GET that changes state (0.5.6's route)."""
+    return scope.get("path") == "/loglevel" and b"level=" in scope.get("query_string", b"")
+
+
+def _cross_site(method: str, headers: dict[str, str], host: str) -> tuple[int, str] | None:
+    """Browser markers of a request another site's page made; CLI clients send neither."""
+    origin = headers.get("origin")
+    if origin is not None and _hostport(origin) != host.strip().lower():
+        return 403, f"cross-origin {method} from {origin!r} refused (this API has no CORS)"
+    if headers.get("sec-fetch-site", "").lower() == "cross-site":
+        return 403, f"cross-site {method} refused (this API has no CORS)"
+    return None
 
 
 def _hostport(origin: str) -> str:
