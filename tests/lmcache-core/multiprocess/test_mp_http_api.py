@@ -166,6 +166,16 @@ def test_a_handler_that_drifts_from_its_model_fails_loudly(runtime, monkeypatch)
         assert c.get("/status").status_code == 500
 
 
+def test_status_is_503_when_the_storage_cannot_report(runtime, monkeypatch):
+    def broken():
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(runtime.storage.sm, "report_status", broken)
+    with TestClient(build_app(runtime), base_url=BASE) as c:
+        r = c.get("/status")
+    assert r.status_code == 503 and "RuntimeError: boom" in r.json()["error"]
+
+
 @pytest.mark.parametrize(
     "path, model",
     [

@@ -83,7 +83,10 @@ def _build_routes(runtime: Any) -> FastAPI:
 
     @app.get("/status", response_model=M.StatusResponse)
     def status() -> Any:
-        return _status(runtime)
+        sm = storage.status()
+        if "error" in sm:  # the storage manager could not report (0.5.6: 503 {"error"})
+            return _error(503, f"storage status unavailable: {sm['error']}")
+        return _status(runtime, sm)
 
     @app.get("/version", response_model=str)
     @app.get("/lmc_version", response_model=str)
@@ -481,9 +484,8 @@ def _salt_path(salt: str) -> str:
 # ---------------------------------------------------------------------- /status
 
 
-def _status(runtime: Any) -> dict[str, Any]:
-    engine, storage, cfg = runtime.engine, runtime.storage, runtime.config
-    sm = storage.status()
+def _status(runtime: Any, sm: dict[str, Any]) -> dict[str, Any]:
+    engine, cfg = runtime.engine, runtime.config
     es = engine.status()
     return {
         "is_healthy": bool(sm.get("is_healthy", False)) and bool(runtime.server.accepting),
