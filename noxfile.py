@@ -246,6 +246,10 @@ print("lmcache.devices.cuda._C built; native ops:", ops.multi_layer_block_kv_tra
 """
 
 
+# What tests/compat needs in our venv besides lmcache-core (the conformance tests run there).
+COMPAT_TEST_DEPS = ["pytest>=8", "httpx>=0.24"]
+
+
 @nox.session
 def compat(session: nox.Session) -> None:
     """Optional: our server against LMCache 0.5.6's client and the reverse (not part of tests).
@@ -254,10 +258,13 @@ def compat(session: nox.Session) -> None:
     cufile-python, nvtx), so this session's venv gets CPU torch, lmcache==0.5.6 with --no-deps
     and only the light packages its `lmcache server` and `lmcache bench server` import on CPU.
     Our core goes into a second, throwaway venv, so the two never share site-packages.
-    tests/compat/compat_check.py then runs each side's `lmcache bench server` (an engine
-    simulator that compares every retrieved byte) against the other side's `lmcache server`,
-    on the copy path and over SHM, and fails on any mismatch. Arguments after `--` go to the
-    checker: `nox -s compat -- --bench` adds the side-by-side benchmark (docs/compat.md).
+    First the conformance suite: pytest runs tests/compat from our venv with
+    LMCACHE_COMPAT_VENV naming the 0.5.6 one (both servers answer the same HTTP calls, each
+    side's CLI and bench run against the other). Then tests/compat/compat_check.py runs each
+    side's `lmcache bench server` (an engine simulator that compares every retrieved byte)
+    against the other side's `lmcache server`, on the copy path and over SHM, and fails on
+    any mismatch. Arguments after `--` go to the checker: `nox -s compat -- --bench` adds the
+    side-by-side benchmark (docs/compat.md).
     """
     import tempfile
 
@@ -293,6 +300,16 @@ def compat(session: nox.Session) -> None:
     py = str(ours / "bin" / "python")
     session.run(py, "-m", "pip", "install", "-q", TORCH, external=True)
     session.run(py, "-m", "pip", "install", "-q", str(CORE), external=True)
+    session.run(py, "-m", "pip", "install", "-q", *COMPAT_TEST_DEPS, external=True)
+    session.run(
+        py,
+        "-m",
+        "pytest",
+        str(ROOT / "tests" / "compat"),
+        "-q",
+        external=True,
+        env={"LMCACHE_COMPAT_VENV": session.virtualenv.location, "LMCACHE_TRACK_USAGE": "false"},
+    )
     session.run(
         "python",
         str(ROOT / "tests" / "compat" / "compat_check.py"),

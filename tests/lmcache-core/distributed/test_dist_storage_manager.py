@@ -325,7 +325,7 @@ def test_submit_exception_releases_pins():
     sm = make_sm([scripted(a)])
     try:
         write(sm, [key(1), key(2)])
-        eventually(lambda: sm.report_status()["store_controllers"][0]["failed_tasks"] >= 1)
+        eventually(lambda: sm.report_status()["store_controller"]["failed_tasks"] >= 1)
         l1 = sm.get_l1_manager()
         eventually(lambda: l1.report_status()["pinned_bytes"] == 0)
         assert l1.report_status()["read_locked_count"] == 0
@@ -363,7 +363,7 @@ def test_store_cap_of_32_tasks_per_adapter():
         eventually(lambda: len(a.store_calls) == 32)
         time.sleep(0.2)
         assert len(a.store_calls) == 32
-        eventually(lambda: sm.report_status()["store_controllers"][0]["pending_keys"] == 8)
+        eventually(lambda: sm.report_status()["store_controller"]["pending_keys"] == 8)
         assert len(a.store_calls) == 32
         a.store_gate.set()
         eventually(lambda: len(a.data) == 40)
@@ -440,8 +440,8 @@ def test_legacy_true_store_result_is_normalised(caplog):
     sm = make_sm([scripted(a)])
     try:
         write(sm, [key(1)])
-        eventually(lambda: sm.report_status()["store_controllers"][0]["completed_tasks"] == 1)
-        st = sm.report_status()["store_controllers"][0]
+        eventually(lambda: sm.report_status()["store_controller"]["completed_tasks"] == 1)
+        st = sm.report_status()["store_controller"]
         assert st["stored_bytes"] == 4096 and st["failed_tasks"] == 0
         assert any("instead of L2StoreResult" in r.getMessage() for r in caplog.records)
     finally:

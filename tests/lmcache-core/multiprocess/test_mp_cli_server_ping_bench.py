@@ -190,12 +190,12 @@ def test_http_prefetch_and_checksums(lmcache_server, mp):
             json={"model_name": "http-m", "world_size": 1, "token_ids": mp.TOKENS},
         )
         assert r.status_code == 202
-        pid = r.json()["id"]
+        pid = r.json()["request_id"]
         for _ in range(100):
             st = httpx.get(srv.http_url + f"/cache/prefetches/{pid}").json()
             if st["status"] == "completed":
                 break
-        assert st == {"id": pid, "status": "completed", "found": 2, "total": 2}
+        assert st == {"request_id": pid, "status": "completed", "found_keys": 2, "total_keys": 2}
         sums = httpx.post(
             srv.http_url + "/cache/checksums",
             json={
@@ -203,7 +203,7 @@ def test_http_prefetch_and_checksums(lmcache_server, mp):
                 "chunk_size": 16,
                 "instance_id": ctx.instance_id,
             },
-        ).json()["checksums"]
+        ).json()["chunk_checksums"]
         assert len(sums) == 2 and sums[0] != sums[1]
         # the same blocks give the same checksum; changing one byte changes it
         again = httpx.post(
@@ -213,7 +213,7 @@ def test_http_prefetch_and_checksums(lmcache_server, mp):
                 "chunk_size": 16,
                 "instance_id": ctx.instance_id,
             },
-        ).json()["checksums"]
+        ).json()["chunk_checksums"]
         assert again == sums[:1]
         with torch.no_grad():
             kv[0][0, 1, 0, 0, 0] += 1
@@ -224,7 +224,7 @@ def test_http_prefetch_and_checksums(lmcache_server, mp):
                 "chunk_size": 16,
                 "instance_id": ctx.instance_id,
             },
-        ).json()["checksums"]
+        ).json()["chunk_checksums"]
         assert changed != sums[:1]
     finally:
         ctx.close()
@@ -269,12 +269,18 @@ def test_http_delete_l1_objects(bench_srv, mp):
         )
         assert r.status_code == 200 and r.json()["deleted"] == 2 and r.json()["ok"] is True
         assert mp.lookup_hits(c, model=model) == 0
-        bad = httpx.request(
+        incomplete = httpx.request(  # a key without its fields: 0.5.6's 422
             "DELETE",
             bench_srv.http_url + "/cache/objects",
             json={"keys": [{"chunk_hash_hex": "zz"}], "tier": "l1"},
         )
-        assert bad.status_code == 400
+        assert incomplete.status_code == 422
+        not_hex = httpx.request(
+            "DELETE",
+            bench_srv.http_url + "/cache/objects",
+            json={"keys": [{**keys[0], "chunk_hash_hex": "zz"}], "tier": "l1"},
+        )
+        assert not_hex.status_code == 400 and "keys[0]" in not_hex.json()["detail"]
     finally:
         ctx.close()
         c.close()

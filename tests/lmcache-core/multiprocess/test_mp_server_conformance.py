@@ -830,7 +830,10 @@ def test_http_endpoints(srv, mp):
     assert httpx.post(base + "/run_script", json={}).status_code == 404
     env = httpx.get(base + "/env").json()
     assert all(v == "***" for k, v in env.items() if "SECRET" in k.upper())
-    assert httpx.post(base + "/cache/clear", json={"tier": "l1"}).json()["ok"] is True
+    assert httpx.post(base + "/cache/clear", json={"tier": "l1"}).json() == {
+        "status": "ok",
+        "cleared": {"tier": "l1"},
+    }
 
 
 def test_metrics_show_the_process_the_collector_and_the_frozen_start_up_heap(srv, mp):

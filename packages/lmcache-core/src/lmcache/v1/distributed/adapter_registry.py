@@ -127,6 +127,16 @@ class AdapterRegistry:
         with self._lock:
             return [s for _, s in sorted(self._slots.items()) if include_draining or not s.draining]
 
+    def counts(self) -> dict[str, int]:
+        """Adapter counts under the names 0.5.6's controller reports use."""
+        with self._lock:
+            draining = sum(1 for s in self._slots.values() if s.draining)
+            return {
+                "num_l2_adapters": len(self._slots),
+                "num_active_adapters": len(self._slots) - draining,
+                "num_draining_adapters": draining,
+            }
+
     def any_serving(self) -> bool:
         """Whether an adapter that is not draining is registered (``slots(False)`` != [])."""
         with self._lock:

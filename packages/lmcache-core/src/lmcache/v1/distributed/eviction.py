@@ -341,6 +341,10 @@ class _GuardedLoop:
         self.consecutive_errors = 0
         self._last_logged: dict[str, float] = {}
         self.restarts = 0
+        # the last cycle, for /periodic-threads: wall-clock start, duration, error ("" = none)
+        self.last_run_time: float | None = None
+        self.last_duration_ms = 0.0
+        self.last_error = ""
 
     def start(self) -> None:
         self._stop.clear()
@@ -358,18 +362,24 @@ class _GuardedLoop:
             self.cycle()
 
     def cycle(self) -> None:
+        self.last_run_time = time.time()
+        t0 = time.perf_counter()
         try:
             self.run_once()
             self.cycles += 1
             self.consecutive_errors = 0
+            self.last_error = ""
         except Exception as exc:
             self.errors += 1
             self.consecutive_errors += 1
             msg = f"{type(exc).__name__}: {exc}"
+            self.last_error = msg
             now = time.monotonic()
             if now - self._last_logged.get(msg, -1e9) >= 60.0:
                 self._last_logged[msg] = now
                 logger.error("%s cycle failed: %s\n%s", self.name, msg, traceback.format_exc())
+        finally:
+            self.last_duration_ms = (time.perf_counter() - t0) * 1000.0
 
     def run_once(self) -> None:
         raise NotImplementedError
@@ -377,6 +387,10 @@ class _GuardedLoop:
     @property
     def is_healthy(self) -> bool:
         return self.consecutive_errors < 3
+
+    @property
+    def thread_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
 
     def stop(self) -> None:
         self._stop.set()
@@ -432,6 +446,8 @@ class L1EvictionController(_GuardedLoop, L1ManagerListener):
     def report_status(self) -> dict[str, Any]:
         return {
             "policy": self.config.eviction_policy,
+            "eviction_policy": self.config.eviction_policy,
+            "thread_alive": self.thread_alive,
             "trigger_watermark": self.config.trigger_watermark,
             "eviction_ratio": self.config.eviction_ratio,
             "tracked_keys": self.policy.num_tracked(),
@@ -593,15 +609,17 @@ class L2EvictionController(_GuardedLoop):
 
     def report_status(self) -> dict[str, Any]:
         with self._lock:
-            adapters = {
-                i: {
+            adapters = [
+                {
+                    "adapter_index": i,
                     "policy": e.config.eviction_policy,
                     "tracked_keys": e.tracker.policy.num_tracked(),
                 }
                 for i, e in self._entries.items()
-            }
+            ]
         return {
             "adapters": adapters,
+            "thread_alive": self.thread_alive,
             "evicted_keys": self.evicted_keys,
             "eviction": {
                 "cycles": self.cycles,

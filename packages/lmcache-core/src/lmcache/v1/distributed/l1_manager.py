@@ -583,6 +583,10 @@ class L1Manager(L1ManagerInterface):
                 "memory_used_bytes": used,
                 "memory_total_bytes": total,
                 "memory_usage_ratio": (used / total) if total else 0.0,
+                "memory_configured_bytes": self._allocator.size,
+                "capacity_bytes_by_backend": {"dram": self._allocator.size},
+                "staging_object_count": sum(len(t) for t in self._staging.values()),
+                "temporary_count": 0,  # this L1 keeps no temporary objects
                 "staging_bytes": self.get_staging_memory_usage(),
                 "pinned_bytes": self.pinned_bytes(),
                 "deferred_free_count": len(self._deferred),

@@ -377,11 +377,21 @@ class PrefetchController:
         now = time.monotonic()
         with self._mu:
             suspended = [i for i, t in self._suspended_until.items() if t > now]
+            pending = sum(1 for r in self._requests.values() if not r.done.is_set())
             return {
                 "max_in_flight": self.max_in_flight,
                 "running_requests": self._running,
                 "queued_requests": self._queue.qsize(),
-                "pending_results": sum(1 for r in self._requests.values() if not r.done.is_set()),
+                "pending_results": pending,
+                # 0.5.6's names: its lookup/load phases are one step here
+                "thread_alive": self._poller.is_alive(),
+                "submission_queue_size": self._queue.qsize(),
+                "pending_queue_size": self._queue.qsize(),
+                "in_flight_request_count": self._running,
+                "lookup_phase_count": self._running,
+                "load_phase_count": len(self._waiters),
+                "completed_results_count": len(self._requests) - pending,
+                **self.registry.counts(),
                 "waiting_adapter_tasks": len(self._waiters),
                 "suspended_adapters": suspended,
                 "lookup_timeout_seconds": self.lookup_timeout_s,

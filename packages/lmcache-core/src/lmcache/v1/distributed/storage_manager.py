@@ -398,12 +398,20 @@ class StorageManager:
                     "is_healthy": bool(st.get("is_healthy", False)) and not suspended,
                 }
             )
-        l1 = [m.report_status() for m in self.l1_managers]
+        # 0.5.6's shape: per-L1 parts keyed by the L1's tag, plus the single-L1 names
+        # (``l1_manager``...) when there is one L1. ``l1`` is ours (the first L1, always).
+        tags = [m.tag for m in self.l1_managers]
+        l1 = dict(zip(tags, (m.report_status() for m in self.l1_managers), strict=True))
+        evictions = dict(
+            zip(tags, (c.report_status() for c in self.l1_eviction_controllers), strict=False)
+        )
+        stores = dict(zip(tags, (c.report_status() for c in self.store_controllers), strict=False))
+        used = sum(int(st["memory_used_bytes"]) for st in l1.values())
+        total = sum(int(st["memory_total_bytes"]) for st in l1.values())
         status: dict[str, Any] = {
             "l1_managers": l1,
-            "l1": l1[0] if l1 else {},
-            "l1_eviction_controllers": [c.report_status() for c in self.l1_eviction_controllers],
-            "store_controllers": [c.report_status() for c in self.store_controllers],
+            "store_controllers": stores,
+            "l1_eviction_controllers": evictions,
             "prefetch_controller": self.prefetch_controller.report_status()
             if self.prefetch_controller
             else {},
@@ -411,11 +419,21 @@ class StorageManager:
             if self.l2_eviction_controller
             else {},
             "l2_adapters": adapters,
+            "num_l2_adapters": len(adapters),
+            "l1_usage": [used, total],
+            "l1_capacity_bytes_by_backend": {
+                "dram": sum(int(st["memory_configured_bytes"]) for st in l1.values())
+            },
+            "l1": next(iter(l1.values()), {}),
         }
+        if len(tags) == 1:
+            status["l1_manager"] = l1[tags[0]]
+            status["store_controller"] = stores.get(tags[0], {})
+            status["l1_eviction_controller"] = evictions.get(tags[0], {})
         parts = [
-            *l1,
-            *status["l1_eviction_controllers"],
-            *status["store_controllers"],
+            *l1.values(),
+            *evictions.values(),
+            *stores.values(),
             status["l2_eviction_controller"],
         ]
         status["is_healthy"] = all(p.get("is_healthy", True) for p in parts) and all(

@@ -353,6 +353,11 @@ class StoreController(L1ManagerListener):
             "l1_index": self.l1_index,
             "in_flight_tasks": inflight,
             "pending_keys": self.pending_count(),
+            # 0.5.6's names for the two counts above
+            "in_flight_task_count": inflight,
+            "pending_keys_count": self.pending_count(),
+            "thread_alive": self._thread.is_alive(),
+            **self.registry.counts(),
             "max_in_flight_per_adapter": self.max_in_flight,
             **self.stats,
             "is_healthy": self._thread.is_alive() or self._stop.is_set(),

@@ -1166,8 +1166,26 @@ class CacheEngine:
         return None
 
     # ------------------------------------------------------------------ background
+    def clean_period(self) -> float:
+        """Seconds between session-cleaner cycles."""
+        return max(0.2, min(60.0, self.config.session_ttl_seconds / 4))
+
+    def reap_period(self) -> float:
+        """Seconds between reaper cycles; 0 when reaping is off."""
+        timeouts = [
+            t
+            for t in (
+                self.config.worker_reap_timeout_seconds,
+                self.config.worker_registration_grace_seconds,
+            )
+            if t > 0
+        ]
+        if not timeouts or self.config.worker_reap_timeout_seconds <= 0:
+            return 0.0
+        return max(0.1, min(30.0, min(timeouts) / 4))
+
     def _clean_loop(self) -> None:
-        period = max(0.2, min(60.0, self.config.session_ttl_seconds / 4))
+        period = self.clean_period()
         while not self._stop.wait(period):
             try:
                 self.clean_once()
@@ -1188,17 +1206,9 @@ class CacheEngine:
                 self.storage.abort_write(list(r.objs))
 
     def _reap_loop(self) -> None:
-        timeouts = [
-            t
-            for t in (
-                self.config.worker_reap_timeout_seconds,
-                self.config.worker_registration_grace_seconds,
-            )
-            if t > 0
-        ]
-        if not timeouts or self.config.worker_reap_timeout_seconds <= 0:
+        period = self.reap_period()
+        if not period:
             return
-        period = max(0.1, min(30.0, min(timeouts) / 4))
         while not self._stop.wait(period):
             try:
                 self.reap_once()
@@ -1249,7 +1259,7 @@ class CacheEngine:
                 "enabled": self.config.worker_reap_timeout_seconds > 0,
                 "reap_timeout_seconds": self.config.worker_reap_timeout_seconds,
                 "registration_grace_seconds": self.config.worker_registration_grace_seconds,
-                "tracked": len(self.instances),
+                "tracked_instances": len(self.instances),
             },
             "layouts": {
                 f"{m}@{ws}": {

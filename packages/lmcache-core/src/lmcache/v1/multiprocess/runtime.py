@@ -112,8 +112,8 @@ class ServerRuntime:
         """The storage layer keeps cumulative eviction counts; add what is new since the
         last scrape (after ``/metrics/reset`` the counters restart from the new ones)."""
         status = self.storage.status()
-        l1_ctls = status.get("l1_eviction_controllers") or []
-        l1 = status.get("l1_managers") or []
+        l1_ctls = (status.get("l1_eviction_controllers") or {}).values()
+        l1 = (status.get("l1_managers") or {}).values()
         l2 = status.get("l2_eviction_controller") or {}
         totals = {
             "lmcache_mp_l1_evicted_chunks": sum(int(c.get("evicted_keys", 0)) for c in l1_ctls)

@@ -37,6 +37,12 @@ class KVGeometry:
     dtype: torch.dtype
 
     @property
+    def block_axis(self) -> int:
+        """The num_blocks axis of one layer's tensor."""
+        two_first = (EngineKVFormat.NL_X_TWO_NB_BS_NH_HS, EngineKVFormat.NL_X_TWO_NB_NH_BS_HS)
+        return 1 if self.fmt in two_first else 0
+
+    @property
     def kv_size(self) -> int:
         return 1 if self.fmt == EngineKVFormat.NL_X_NB_BS_HS else 2
 
