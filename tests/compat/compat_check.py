@@ -61,9 +61,19 @@ def _env() -> dict[str, str]:
 
 @contextmanager
 def running_server(
-    venv: Path, label: str, logdir: Path, *, shm: bool, l1_gb: int = 1
+    venv: Path,
+    label: str,
+    logdir: Path,
+    *,
+    shm: bool,
+    l1_gb: int = 1,
+    transfer_mode: str = "engine_driven",
+    extra_args: tuple[str, ...] = (),
 ) -> Iterator[tuple[str, str]]:
-    """Start ``lmcache server`` from ``venv``; yield (rpc_url, http_url) once it is healthy."""
+    """Start ``lmcache server`` from ``venv``; yield (rpc_url, http_url) once it is healthy.
+
+    ``transfer_mode`` is ``--supported-transfer-mode`` (``auto`` serves both paths);
+    ``extra_args`` go last, after the flags above."""
     port, http_port = free_port(), free_port()
     cmd = [
         str(lmcache_bin(venv)),
@@ -73,7 +83,7 @@ def running_server(
         "--eviction-policy",
         "LRU",
         "--supported-transfer-mode",
-        "engine_driven",
+        transfer_mode,
         "--host",
         "127.0.0.1",
         "--port",
@@ -83,6 +93,7 @@ def running_server(
     ]
     # Explicit either way: our default turns SHM on, 0.5.6's leaves it off.
     cmd += ["--shm-name", f"compat{os.getpid()}_{port}" if shm else ""]
+    cmd += list(extra_args)
     log = logdir / f"server-{label}-{'shm' if shm else 'copy'}-{port}.log"
     http_url = f"http://127.0.0.1:{http_port}"
     with open(log, "w") as out:
@@ -133,9 +144,20 @@ def _wait_l1_backed(http_url: str, deadline: float) -> None:
 
 
 def run_client(
-    venv: Path, side: str, rpc_url: str, http_url: str, spec: str, requests: int, outdir: Path
+    venv: Path,
+    side: str,
+    rpc_url: str,
+    http_url: str,
+    spec: str,
+    requests: int,
+    outdir: Path,
+    transfer_mode: str = "engine_driven",
 ) -> dict:
-    """Run ``side``'s bench client; return {"verified", "store_p50_ms", "retrieve_p50_ms", ...}."""
+    """Run ``side``'s bench client; return {"verified", "store_p50_ms", "retrieve_p50_ms", ...}.
+
+    With ``transfer_mode="lmcache_driven"`` 0.5.6's bench verifies each request through the
+    server's ``POST /cache/checksums`` (cold store vs warm retrieve), so ``verified`` then
+    also proves that route's shape."""
     out = Path(tempfile.mkstemp(suffix=".json", dir=outdir)[1])
     base = [
         str(lmcache_bin(venv)),
@@ -148,7 +170,7 @@ def run_client(
         "--mode",
         "cpu",
         "--transfer-mode",
-        "engine_driven",
+        transfer_mode,
         "--kvcache-shape-spec",
         spec,
         "--num-tokens",
