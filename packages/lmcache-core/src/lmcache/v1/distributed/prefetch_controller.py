@@ -101,7 +101,10 @@ class PrefetchController:
             "expired_lookups": 0,
             "expired_loads": 0,
             "aborted": 0,
+            "lookup_keys": 0,
+            "load_keys": 0,
         }
+        self.loaded_tasks_by_adapter: dict[str, int] = {}  # by type name
         self._poller = threading.Thread(target=self._poll_loop, name="prefetch-poller", daemon=True)
         self._poller.start()
         self._workers = [
@@ -387,6 +390,7 @@ class PrefetchController:
                 "lookup_timeout_seconds": self.lookup_timeout_s,
                 "load_timeout_seconds": self.load_timeout_s,
                 **self.stats,
+                "load_tasks_completed_by_adapter": dict(self.loaded_tasks_by_adapter),
                 "is_healthy": self._poller.is_alive() and not suspended,
             }
 
@@ -484,6 +488,7 @@ class _RequestRun:
         keys = [self.key(c) for c in missing]
         layouts = {g.object_group_id: g.layout_desc for g in self.spec.key_groups}
         self.ctl.stats["lookup_requests"] += 1
+        self.ctl.stats["lookup_keys"] += len(keys)
         results: dict[int, Any] = {}
         threads = []
 
@@ -646,6 +651,7 @@ class _RequestRun:
         buffers = [objs[c] for c in cells]
         l1.pin_objects(buffers)
         self.ctl.stats["load_tasks"] += 1
+        self.ctl.stats["load_keys"] += len(keys)
         tag = self.tag
         cleaned = threading.Event()
         cleanup_lock = threading.Lock()
@@ -675,6 +681,8 @@ class _RequestRun:
                 late(None)
             self.ctl.stats["failed_keys"] += len(keys)
             return
+        done = self.ctl.loaded_tasks_by_adapter
+        done[slot.type_name] = done.get(slot.type_name, 0) + 1
         ok = [c for i, c in enumerate(cells) if i < bm.size() and bm.test(i)]
         bad = [c for c in cells if c not in set(ok)]
         if ok:
