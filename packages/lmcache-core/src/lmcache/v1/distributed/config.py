@@ -439,6 +439,9 @@ def parse_args_to_storage_manager_config(args: argparse.Namespace) -> StorageMan
     for name, v in (("--l1-write-ttl-seconds", write_ttl), ("--l1-read-ttl-seconds", read_ttl)):
         if v <= 0:
             raise ValueError(f"{name} must be positive (got {v})")
+    for name, v in (("--eviction-trigger-watermark", watermark), ("--eviction-ratio", ratio)):
+        if not 0.0 <= v <= 1.0:
+            raise ValueError(f"{name} must be a fraction in [0, 1] (got {v})")
 
     if l1_jsons:
         legacy = [

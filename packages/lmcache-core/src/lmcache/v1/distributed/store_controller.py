@@ -77,6 +77,8 @@ class StoreController(L1ManagerListener):
             "completed_keys": 0,
         }
         self.completed_tasks_by_adapter: dict[str, int] = defaultdict(int)  # by type name
+        # (adapter type, GB/s) of finished store tasks, submit to completion; metrics drain it
+        self.throughput: deque[tuple[str, float]] = deque(maxlen=4096)
         l1.register_listener(self)
         self._thread = threading.Thread(
             target=self._loop, name=f"store-controller-{l1_index}", daemon=True
@@ -194,6 +196,9 @@ class StoreController(L1ManagerListener):
             self.stats["completed_keys"] += len(task.keys)
             self.stats["stored_bytes"] += result.bytes_transferred()
             self.completed_tasks_by_adapter[name] += 1
+            elapsed = time.monotonic() - task.submit_time
+            if elapsed > 0 and result.bytes_transferred():
+                self.throughput.append((name, result.bytes_transferred() / elapsed / 1e9))
             logger.debug(
                 "L2 store task %d on adapter #%d (%s) done: %d keys, %d bytes",
                 task.task_id,

@@ -135,15 +135,26 @@ _HISTOGRAMS: dict[str, tuple[str, tuple[str, ...], tuple[float, ...] | None]] = 
         ("device", "engine_id", "model_name"),
         _GBPS_BUCKETS,
     ),
+    "lmcache_mp_l2_store_throughput_GB_per_second": (
+        "L1->L2 store throughput per task, submit to completion (GB/s)",
+        ("l2_name",),
+        _GBPS_BUCKETS,
+    ),
+    "lmcache_mp_l2_load_throughput_GB_per_second": (
+        "L2->L1 load throughput per task, submit to completion (GB/s)",
+        ("l2_name",),
+        _GBPS_BUCKETS,
+    ),
     # ours: phase = the transfer op (store, retrieve, prepare_store, commit_store, ...)
     "lmcache_mp_transfer_phase_seconds": ("server time per transfer op", ("phase",), None),
 }
 
-# Series 0.5.6 shows from start-up, before anything happened.
-_ALWAYS = (
-    "lmcache_mp_l1_eviction_loop_ticks",
-    "lmcache_mp_event_bus_dropped_events",
-)
+# Series shown from start-up, before anything happened (0.5.6 shows the first two then).
+_ALWAYS: dict[str, dict[str, str]] = {
+    "lmcache_mp_l1_eviction_loop_ticks": {},
+    "lmcache_mp_event_bus_dropped_events": {},
+    "lmcache_mp_l1_evicted_chunks": {"l1_tag": "_default"},
+}
 
 Labels = tuple[tuple[str, str], ...]
 
@@ -178,7 +189,9 @@ class _Collector:
     def collect(self) -> Iterator[Metric]:
         counters = self.m._counters.snapshot()
         for name, (doc, _labels, _optional) in _COUNTERS.items():
-            series = counters.get(name) or ([((), 0.0)] if name in _ALWAYS else [])
+            series = counters.get(name) or []
+            if not series and name in _ALWAYS:
+                series = [(tuple(sorted(_ALWAYS[name].items())), 0.0)]
             if series:
                 fam = Metric(name, doc, "counter")
                 for labels, v in sorted(series):
@@ -263,9 +276,8 @@ class ServerMetrics:
                 raise ValueError(f"counter {name!r} cannot take {amount}: counters only grow")
         with self._counters.lock:
             values = self._counters.values
-            for key, amount in keys:
-                if amount:
-                    values[key] = values.get(key, 0.0) + amount
+            for key, amount in keys:  # a 0 still shows the series, as in 0.5.6
+                values[key] = values.get(key, 0.0) + amount
 
     def set(self, name: str, value: float, **labels: str) -> None:
         if not self.enabled:

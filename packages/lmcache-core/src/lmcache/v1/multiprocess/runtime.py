@@ -125,6 +125,8 @@ class ServerRuntime:
             usage[a.get("type", "?")] = usage.get(a.get("type", "?"), 0) + a.get("usage_bytes", 0)
         for name, n in usage.items():
             m.set("lmcache_mp_l2_usage_bytes", n, l2_name=name)
+        for kind, name, gbps in self.storage.drain_l2_throughput():
+            m.observe(f"lmcache_mp_l2_{kind}_throughput_GB_per_second", gbps, l2_name=name)
         self._feed_storage_counters(m, status)
 
     def _feed_storage_counters(self, m: ServerMetrics, status: dict[str, Any]) -> None:
@@ -188,6 +190,10 @@ class ServerRuntime:
         feeds += [
             ("lmcache_mp_l2_load_completed_requests", {"l2_name": name}, int(n))
             for name, n in (prefetch.get("load_tasks_completed_by_adapter") or {}).items()
+        ]
+        feeds += [
+            ("lmcache_mp_l2_prefetch_failure_chunks", {"reason": r, "model_name": m}, int(n))
+            for r, m, n in prefetch.get("failed_keys_by_reason_and_model") or []
         ]
         for name, labels, now in feeds:
             key = (name, tuple(sorted(labels.items())))
