@@ -354,8 +354,13 @@ class Bench:
         self.world_size = 1 if self.mla else self.args.tp_size
         for rank in range(self.args.tp_size):
             kv = _allocate(g, device)
+            # vLLM's layout, said explicitly: a 0.5.6 server assumes another one without it
             ctx = create_transfer_context(
-                kv, instance_id=INSTANCE_ID_BASE + rank, req_client=self.client, mode=mode
+                kv,
+                instance_id=INSTANCE_ID_BASE + rank,
+                req_client=self.client,
+                mode=mode,
+                layout_hints={"kv_layout": "NHD"},
             )
             stores = rank == 0 or not self.mla
             self.workers.append(Worker(rank, 0 if self.mla else rank, stores, ctx.kv_caches, ctx))
