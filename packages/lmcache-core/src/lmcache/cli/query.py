@@ -211,8 +211,11 @@ def _stream(url: str, body: dict[str, Any], timeout: float, chat: bool) -> dict[
         except (ValueError, AttributeError):
             pass
         raise RuntimeError(f"POST {url}: HTTP {exc.code}: {text[:2000]}") from None
-    except (urllib.error.URLError, OSError) as exc:
-        raise RuntimeError(f"POST {url}: {getattr(exc, 'reason', exc)}") from None
+    except (urllib.error.URLError, OSError) as exc:  # nothing answers: no other route will
+        raise CLIError(
+            f"cannot reach {url} ({getattr(exc, 'reason', exc)}); is the engine running? (--url)",
+            1,
+        ) from None
     t1 = time.monotonic()
     if not pieces and usage is None:
         raise RuntimeError(f"POST {url}: empty response (no streamed chunks)")

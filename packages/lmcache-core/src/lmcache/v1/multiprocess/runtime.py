@@ -132,10 +132,10 @@ class ServerRuntime:
     def _feed_storage_counters(self, m: ServerMetrics, status: dict[str, Any]) -> None:
         """The storage layer keeps cumulative counts (evictions, L2 tasks); add what is new
         since the last scrape (after ``/metrics/reset`` the counters restart from there)."""
-        l1_ctls = status.get("l1_eviction_controllers") or []
-        l1 = status.get("l1_managers") or []
+        l1_ctls = _parts(status.get("l1_eviction_controllers"))
+        l1 = _parts(status.get("l1_managers"))
         l2 = status.get("l2_eviction_controller") or {}
-        stores = status.get("store_controllers") or []
+        stores = _parts(status.get("store_controllers"))
         prefetch = status.get("prefetch_controller") or {}
 
         def total(rows: list[dict[str, Any]], key: str) -> int:
@@ -201,6 +201,12 @@ class ServerRuntime:
             if delta > 0:
                 m.inc(name, delta, **labels)
             self._fed[key] = now
+
+
+def _parts(value: Any) -> list[dict[str, Any]]:
+    """Per-L1 parts of the storage status: a list, or a dict keyed by L1 tag."""
+    rows = value.values() if isinstance(value, dict) else (value or [])
+    return [r for r in rows if isinstance(r, dict)]
 
 
 def _unlink_shm(name: str) -> None:
