@@ -191,7 +191,9 @@ def run_client(
     verified = verified and res["checksum_ok"] == requests
     if side == "ours":  # ours also fails its exit status on a bad byte or transfer
         verified = verified and proc.returncode == 0
-    detail = f"checksum_ok={res['checksum_ok']}/{res['total_requests']} exit={proc.returncode}"
+    detail = f"checksum_ok={res['checksum_ok']}/{res['total_requests']}"
+    if proc.returncode:
+        detail += f" exit={proc.returncode}"
     # A section is missing when nothing of its kind ran (e.g. every "cold" store was a hit).
     store = m.get("cold_store", {}).get("cold_store_p50", float("nan"))
     retrieve = m.get("warm_retrieve", {}).get("warm_retrieve_p50", float("nan"))
