@@ -387,3 +387,34 @@ def test_http_delete_l1_objects(bench_srv, mp):
     finally:
         ctx.close()
         c.close()
+
+
+def test_bench_server_without_end_runs_until_interrupted_then_reports(bench_srv, tmp_path):
+    # 0.5.6's meaning: no --end runs forever; Ctrl-C ends the run and the report covers
+    # the requests that completed.
+    import signal
+    import time
+
+    out = tmp_path / "forever.json"
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "lmcache.cli.main", "bench", "server", "--rpc-url"]
+        + [bench_srv.rpc_url, "--mode", "cpu", "--transfer-mode", "engine_driven"]
+        + ["--kvcache-shape-spec", "(2,96,16,2,16):float16:2", "--start", "900"]
+        + ["--interval", "0", "--format", "json", "--output", str(out)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    seen = []
+    deadline = time.monotonic() + 120
+    while len(seen) < 3 and time.monotonic() < deadline:  # a bound on waiting, not a speed check
+        line = proc.stderr.readline()
+        if "seq 9" in line:
+            seen.append(line)
+    proc.send_signal(signal.SIGINT)
+    stdout, _ = proc.communicate(timeout=60)
+    assert len(seen) == 3 and proc.returncode == 0, stdout[-2000:]
+    res = json.loads(out.read_text())["metrics"]["results"]
+    assert res["total_requests"] >= 3 and res["checksum_fail"] == 0

@@ -465,7 +465,7 @@ class Bench:
                 f"cache has {group.num_blocks} (raise NB in --kvcache-shape-spec)"
             )
 
-    def run_size(self, n_tok: int, seqs: Any, log: Any) -> tuple[SizeResult, list[int] | None]:
+    def run_size(self, n_tok: int, seqs: Any, log: Any) -> SizeResult:
         full = (n_tok + 1) // self.chunk * self.chunk
         n_blocks = full // self.block_size
         usable = max(self.num_blocks - n_blocks, 1)
@@ -501,7 +501,7 @@ class Bench:
                 hit, ms = self.lookup(last, f"bench-{self.nonce}-cached-{n_tok}-{i}")
                 self.client.call("end_session", f"bench-{self.nonce}-cached-{n_tok}-{i}")
                 res.record("cached_lookup", ms)
-        return res, last
+        return res
 
 
 def _sections(res: SizeResult) -> dict[str, dict[str, Any]]:
@@ -586,7 +586,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             for n_tok in sizes:
                 seqs = range(args.start, args.end) if args.end is not None else _forever(args.start)
-                res, _last = bench.run_size(n_tok, seqs, log)
+                res = bench.run_size(n_tok, seqs, log)
                 per_size.append(res)
                 if res.interrupted:
                     break
