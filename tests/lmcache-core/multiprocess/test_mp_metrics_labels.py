@@ -124,3 +124,48 @@ def test_salted_l1_chunks_add_the_cache_salt_label(lmcache_server, mp):
     assert 'lmcache_mp_l1_write_chunks_total{cache_salt="tenant-a",l1_tag="_default"} 2.0' in text
     # a dashboard summing by l1_tag sees both kinds of traffic
     assert ("lmcache_mp_l1_write_chunks_total", ("cache_salt", "l1_tag")) in series(text)
+
+
+def test_l1_lifecycle_follows_sampled_chunks():
+    from lmcache.v1.multiprocess.l1_lifecycle import EVICT_REUSE_WAIT_S, L1Lifecycle
+
+    now = [100.0]
+    life = L1Lifecycle(1.0, clock=lambda: now[0])
+    life.on_l1_keys_write_finished(["a", "b"])
+    now[0] = 103.0
+    life.on_l1_keys_read_finished(["a"])
+    now[0] = 110.0
+    life.on_l1_keys_deleted_by_manager(["a"])
+    assert sorted(life.drain()) == [
+        ("idle_before_evict", 7.0),
+        ("lifetime", 10.0),
+        ("reuse_gap", 3.0),
+    ]
+    now[0] = 112.0
+    life.on_l1_keys_write_finished(["a"])  # written again 2 s after it left
+    assert life.drain() == [("evict_reuse_gap", 2.0)]
+    life.on_l1_keys_deleted_by_manager(["b"])
+    now[0] += EVICT_REUSE_WAIT_S  # never written again: counts as the cap
+    assert ("evict_reuse_gap", EVICT_REUSE_WAIT_S) in life.drain()
+    none = L1Lifecycle(0.0, clock=lambda: now[0])
+    none.on_l1_keys_write_finished(["a"])
+    none.on_l1_keys_deleted_by_manager(["a"])
+    assert none.drain() == []  # a chunk outside the sample is never followed
+
+
+def test_l1_lifecycle_histograms_on_a_real_server(lmcache_server, mp):
+    srv = lmcache_server("--metrics-sample-rate", "1")
+    c, ctx = mp.worker(srv.rpc_url, mp.make_kv(), model="life")
+    try:
+        assert ctx.submit_store(mp.key("life", model="life"), list(range(1, 33))).result(20)
+        assert mp.lookup_hits(c, model="life", rid="life-read") == 2
+        assert ctx.submit_retrieve(mp.key("life-read", model="life"), [*range(33, 64), 0]).result(
+            20
+        )
+    finally:
+        ctx.close()
+        c.close()
+    assert httpx.post(srv.http_url + "/cache/clear", json={"tier": "l1"}).status_code == 200
+    names = {n for n, _labels in series(httpx.get(srv.http_url + "/metrics").text)}
+    for name in ("lifetime", "idle_before_evict", "reuse_gap"):
+        assert f"lmcache_mp_l1_chunk_{name}_seconds_count" in names, name

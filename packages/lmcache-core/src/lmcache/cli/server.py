@@ -66,6 +66,7 @@ def build_configs(args: argparse.Namespace):
         retrieve_lease_seconds=args.retrieve_lease_seconds,
         separate_object_groups=args.separate_object_groups,
         disable_metrics=bool(args.disable_metrics or args.disable_observability),
+        metrics_sample_rate=args.metrics_sample_rate,
     )
     if args.instance_id:
         kwargs["instance_id"] = args.instance_id

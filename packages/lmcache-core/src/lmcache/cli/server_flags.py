@@ -14,8 +14,8 @@ one of four fates, and ``validate_args`` applies them:
   in 0.5.6 either, so any value is accepted; with it, the feature's flag stops start-up.
 * **nothing to do here**: ``--prometheus-port`` (0.5.6's ``lmcache server`` serves
   ``/metrics`` on the HTTP port and never opens it), ``--disable-grpc-metrics`` (no gRPC),
-  ``--event-bus-queue-size``/``--metrics-sample-rate`` (no event bus, no sampled
-  histograms), ``--format/--output/-q`` (the server prints no report in 0.5.6 either).
+  ``--event-bus-queue-size`` (no event bus), ``--format/--output/-q`` (the server prints
+  no report in 0.5.6 either).
 """
 
 from __future__ import annotations
@@ -319,7 +319,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         help="accepted: as in 0.5.6's lmcache server, /metrics is served on --http-port and "
         "this port is never opened",
     )
-    o.add_argument("--metrics-sample-rate", type=float, default=0.01, help="accepted, unused")
+    o.add_argument(
+        "--metrics-sample-rate",
+        type=float,
+        default=0.01,
+        help="share of L1 chunks whose lifetime and reuse gaps the metrics follow (0, 1]",
+    )
     o.add_argument("--lookup-hash-log-dir", default="")
     for flag, default in (
         ("--lookup-hash-log-rotation-interval", 21600),
@@ -435,6 +440,8 @@ def validate_args(args: argparse.Namespace) -> None:
     ):
         if v < 0:
             raise CLIError(f"{flag} must be >= 0 (got {v})")
+    if not 0 < args.metrics_sample_rate <= 1:
+        raise CLIError(f"--metrics-sample-rate must be in (0, 1] (got {args.metrics_sample_rate})")
     if args.extra_logging_interval <= 0:
         raise CLIError(
             f"--extra-logging-interval must be positive (got {args.extra_logging_interval})"

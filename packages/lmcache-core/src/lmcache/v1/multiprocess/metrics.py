@@ -124,6 +124,8 @@ _GAUGES: dict[str, tuple[str, tuple[str, ...]]] = {
 
 # 0.5.6's throughput buckets (GB/s).
 _GBPS_BUCKETS = (0, 5, 10, 25, 50, 75, 100, 250, 500, 750, 1000, 2500, 5000, 7500, 10000)
+# 0.5.6's lifecycle buckets (seconds).
+_LIFECYCLE_BUCKETS = (1, 5, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 14400)
 _HISTOGRAMS: dict[str, tuple[str, tuple[str, ...], tuple[float, ...] | None]] = {
     "lmcache_mp_l0_l1_store_throughput_GB_per_second": (
         "engine->L1 store throughput per request (GB/s)",
@@ -145,6 +147,15 @@ _HISTOGRAMS: dict[str, tuple[str, tuple[str, ...], tuple[float, ...] | None]] = 
         ("l2_name",),
         _GBPS_BUCKETS,
     ),
+    **{
+        f"lmcache_mp_l1_chunk_{name}_seconds": (doc, ("l1_tag",), _LIFECYCLE_BUCKETS)
+        for name, doc in (
+            ("lifetime", "time a sampled chunk spent in L1, written to gone"),
+            ("idle_before_evict", "time a sampled chunk sat unused before it left L1"),
+            ("reuse_gap", "time between two uses (write or read) of a sampled chunk"),
+            ("evict_reuse_gap", "time from a sampled chunk leaving L1 to its next write (<= 300)"),
+        )
+    },
     # ours: phase = the transfer op (store, retrieve, prepare_store, commit_store, ...)
     "lmcache_mp_transfer_phase_seconds": ("server time per transfer op", ("phase",), None),
 }

@@ -14,6 +14,7 @@ from typing import Any
 from lmcache.utils import init_logger
 from lmcache.v1.multiprocess.config import MPServerConfig
 from lmcache.v1.multiprocess.engine import L1_TAG, CacheEngine
+from lmcache.v1.multiprocess.l1_lifecycle import L1Lifecycle
 from lmcache.v1.multiprocess.metrics import ServerMetrics
 from lmcache.v1.multiprocess.server import MPCacheServer
 from lmcache.v1.multiprocess.storage_bridge import StorageBridge
@@ -67,6 +68,10 @@ class ServerRuntime:
         )
         self.server = MPCacheServer(self.engine)
         self._fed: dict[tuple[str, Any], int] = {}  # storage totals already in the counters
+        self.l1_lifecycle: L1Lifecycle | None = None
+        if not config.disable_metrics and hasattr(self.storage.l1, "register_listener"):
+            self.l1_lifecycle = L1Lifecycle(config.metrics_sample_rate)
+            self.storage.l1.register_listener(self.l1_lifecycle)
         self.metrics.add_gauge_source(self._refresh_gauges)
         self._stopped = False
 
@@ -125,6 +130,9 @@ class ServerRuntime:
             usage[a.get("type", "?")] = usage.get(a.get("type", "?"), 0) + a.get("usage_bytes", 0)
         for name, n in usage.items():
             m.set("lmcache_mp_l2_usage_bytes", n, l2_name=name)
+        if self.l1_lifecycle is not None:
+            for name, seconds in self.l1_lifecycle.drain():
+                m.observe(f"lmcache_mp_l1_chunk_{name}_seconds", seconds, l1_tag=L1_TAG)
         for kind, name, gbps in self.storage.drain_l2_throughput():
             m.observe(f"lmcache_mp_l2_{kind}_throughput_GB_per_second", gbps, l2_name=name)
         self._feed_storage_counters(m, status)
