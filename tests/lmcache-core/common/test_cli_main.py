@@ -27,7 +27,17 @@ def test_only_the_command_that_runs_builds_its_flags_and_ping_never_loads_torch(
         )
         return proc.stdout
 
-    for argv in (["--help"], ["ping", "--help"], ["plugins", "--help"], ["bench", "--help"]):
+    for argv in (
+        ["--help"],
+        ["ping", "--help"],
+        ["ping", "kvcache", "--help"],
+        ["describe", "--help"],
+        ["kvcache", "clear", "--help"],
+        ["quota", "list", "--help"],
+        ["query", "engine", "--help"],
+        ["plugins", "--help"],
+        ["bench", "--help"],
+    ):
         assert "torch loaded: False" in run(*argv), argv
     server_help = run("server", "--help")
     assert "--l2-adapter" in server_help and "fs" in server_help  # the installed L2 types
@@ -37,7 +47,11 @@ def test_only_the_command_that_runs_builds_its_flags_and_ping_never_loads_torch(
 def test_the_whole_parser_still_knows_every_flag():
     parser = cli_main.build_parser()
     assert parser.parse_args(["server", "--port", "1234"]).port == 1234
-    assert parser.parse_args(["ping", "--count", "2"]).count == 2
+    assert parser.parse_args(["ping", "rpc", "--count", "2"]).count == 2
+    assert (
+        parser.parse_args(["kvcache", "--format", "json", "clear", "--url", "u"]).format == "json"
+    )
+    assert parser.parse_args(["quota", "set", "s", "--limit-gb", "2"]).limit_gb == 2
     assert parser.parse_args(["plugins", "--json"]).json is True
 
 

@@ -138,7 +138,7 @@ def test_full_legacy_config():
                 "--eviction-trigger-watermark",
                 "1.5",
             ],
-            "trigger_watermark must be a number in [0, 1]",
+            "--eviction-trigger-watermark must be a fraction in [0, 1]",
         ),
     ],
 )

@@ -826,7 +826,7 @@ def test_http_endpoints(srv, mp):
     assert httpx.get(base + "/healthcheck").json() == {"status": "healthy"}
     assert httpx.get(base + "/cache/objects", params={"tier": "l1"}).status_code == 400
     assert httpx.get(base + "/cache/objects", params={"tier": "l2"}).status_code == 503
-    assert "lmcache_mp_lookup_hit_tokens_total" in httpx.get(base + "/metrics").text
+    assert "lmcache_mp_l1_eviction_loop_ticks_total" in httpx.get(base + "/metrics").text
     assert httpx.post(base + "/run_script", json={}).status_code == 404
     env = httpx.get(base + "/env").json()
     assert all(v == "***" for k, v in env.items() if "SECRET" in k.upper())

@@ -209,35 +209,46 @@ def test_no_module_unpickles_peer_bytes():
     assert offenders == []
 
 
-def test_unlabelled_counters_reach_every_reader_and_reset_drops_them():
+def test_counters_carry_0_5_6_labels_reach_every_reader_and_reset_drops_them():
     from lmcache.v1.multiprocess.metrics import ServerMetrics
 
     m = ServerMetrics("unit")
+    who = {"cache_salt": "", "model_name": "m"}
     for _ in range(3):
-        m.inc("lmcache_mp_lookups_requests")
-    m.inc("lmcache_mp_lookup_hit_tokens", 512)
+        m.inc("lmcache_mp_lookups_requests", **who)
+    m.inc("lmcache_mp_lookup_hit_tokens", 512, **who)
     m.inc("lmcache_mp_request_errors", op="lookup", code="BAD_REQUEST")
+    # cache_salt on the L1 chunk counters: only for salted keys, as in 0.5.6
+    m.inc("lmcache_mp_l1_write_chunks", 2, l1_tag="_default", cache_salt="")
+    m.inc("lmcache_mp_l1_write_chunks", 1, l1_tag="_default", cache_salt="tenant-a")
     text = m.render().decode()
-    assert "lmcache_mp_lookups_requests_total 3.0" in text
-    assert "lmcache_mp_lookup_hit_tokens_total 512.0" in text
-    m.inc("lmcache_mp_lookups_requests")
-    assert m.value("lmcache_mp_lookups_requests") == 4
+    assert 'lmcache_mp_lookups_requests_total{cache_salt="",model_name="m"} 3.0' in text
+    assert 'lmcache_mp_lookup_hit_tokens_total{cache_salt="",model_name="m"} 512.0' in text
+    assert 'lmcache_mp_l1_write_chunks_total{l1_tag="_default"} 2.0' in text
+    assert 'lmcache_mp_l1_write_chunks_total{cache_salt="tenant-a",l1_tag="_default"} 1.0' in text
+    assert "lmcache_mp_l1_eviction_loop_ticks_total 0.0" in text  # there from the start
+    assert 'python_info{implementation="CPython"' in text
+    assert 'target_info{service_instance_id="unit",service_name=' in text
+    m.inc("lmcache_mp_lookups_requests", cache_salt="", model_name="other")
+    assert m.value("lmcache_mp_lookups_requests") == 4  # every series
+    assert m.value("lmcache_mp_lookups_requests", model_name="m") == 3
     assert m.value("lmcache_mp_request_errors", op="lookup", code="BAD_REQUEST") == 1
     with pytest.raises(ValueError, match="only grow"):
-        m.inc("lmcache_mp_lookups_requests", -1)
+        m.inc("lmcache_mp_lookups_requests", -1, **who)
     with pytest.raises(KeyError):
         m.inc("lmcache_mp_no_such_counter")
-    with pytest.raises(ValueError):  # a labelled counter needs its labels
+    with pytest.raises(ValueError, match="takes the labels"):  # a labelled counter needs them
         m.inc("lmcache_mp_request_errors")
-    m.inc_many({"lmcache_mp_lookup_hit_tokens": 256, "lmcache_mp_lookup_hit_l2_keys": 0})
+    with pytest.raises(ValueError, match="takes the labels"):  # and no others
+        m.inc("lmcache_mp_lookups_requests", worker="1", **who)
+    m.inc_many({"lmcache_mp_lookup_hit_tokens": 256, "lmcache_mp_lookup_hit_l2_keys": 0}, **who)
     assert m.value("lmcache_mp_lookup_hit_tokens") == 768
-    with pytest.raises(ValueError, match="unlabelled counters"):
-        m.inc_many({"lmcache_mp_lookup_hit_tokens": 1, "lmcache_mp_request_errors": 1})
+    with pytest.raises(ValueError, match="takes the labels"):
+        m.inc_many({"lmcache_mp_lookup_hit_tokens": 1, "lmcache_mp_request_errors": 1}, **who)
     assert m.value("lmcache_mp_lookup_hit_tokens") == 768  # nothing of a rejected call counts
-    m.inc("lmcache_mp_lookups_requests")  # not yet read when the reset comes
     m.reset()
     assert m.value("lmcache_mp_lookups_requests") == 0
-    assert "lmcache_mp_lookups_requests_total 0.0" in m.render().decode()
+    assert "lmcache_mp_lookups_requests_total" not in m.render().decode()
 
 
 def test_token_bytes_memo_never_serves_a_changed_list():

@@ -20,6 +20,10 @@ from lmcache.cli.errors import CLIError
 SUBCOMMANDS: tuple[tuple[str, str], ...] = (
     ("server", "lmcache.cli.server"),
     ("ping", "lmcache.cli.ping"),
+    ("describe", "lmcache.cli.describe"),
+    ("kvcache", "lmcache.cli.kvcache"),
+    ("quota", "lmcache.cli.quota"),
+    ("query", "lmcache.cli.query"),
     ("bench", "lmcache.cli.bench"),
     ("plugins", "lmcache.cli.plugins"),
 )

@@ -72,6 +72,7 @@ class EvictionConfig:
 
 #: when L1 pages are backed (see l1_memory): the whole pool at start, ahead of use, or never
 PREFAULT_MODES = ("all", "ahead", "off")
+GDS_L1_BACKENDS = ("auto", "cufile", "hipfile", "mufile", "phx", "ugds")
 
 
 @dataclass
@@ -215,7 +216,7 @@ def add_l1_args(
     )
     g.add_argument(
         "--l1-use-hugepages",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
         default=False,
         help="back L1 with 2 MiB hugepages (forces --no-l1-use-lazy)",
     )
@@ -238,8 +239,18 @@ def add_l1_args(
     )
     g.add_argument("--l1-devdax-path", type=str, default=None, help="devdax device for a DEVDAX L1")
     g.add_argument("--gds-l1-path", type=str, default=None, help="GDS L1 directory")
-    g.add_argument("--gds-l1-use-direct-io", action="store_true", default=False)
-    g.add_argument("--gds-l1-backend", type=str, default="auto")
+    g.add_argument(
+        "--gds-l1-use-direct-io",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="open the GDS L1 slab with O_DIRECT (only with --gds-l1-path)",
+    )
+    g.add_argument(
+        "--gds-l1-backend",
+        choices=GDS_L1_BACKENDS,
+        default="auto",
+        help="GDS backend (only with --gds-l1-path)",
+    )
     if include_shm_name:
         g.add_argument(
             "--shm-name",
@@ -428,6 +439,9 @@ def parse_args_to_storage_manager_config(args: argparse.Namespace) -> StorageMan
     for name, v in (("--l1-write-ttl-seconds", write_ttl), ("--l1-read-ttl-seconds", read_ttl)):
         if v <= 0:
             raise ValueError(f"{name} must be positive (got {v})")
+    for name, v in (("--eviction-trigger-watermark", watermark), ("--eviction-ratio", ratio)):
+        if not 0.0 <= v <= 1.0:
+            raise ValueError(f"{name} must be a fraction in [0, 1] (got {v})")
 
     if l1_jsons:
         legacy = [
@@ -493,7 +507,7 @@ def parse_args_to_storage_manager_config(args: argparse.Namespace) -> StorageMan
         gds = (
             {
                 "path": gds_path,
-                "use_direct_io": bool(getattr(args, "gds_l1_use_direct_io", False)),
+                "use_direct_io": bool(getattr(args, "gds_l1_use_direct_io", True)),
                 "backend": getattr(args, "gds_l1_backend", "auto"),
             }
             if gds_path

@@ -13,6 +13,7 @@ a row suspend an adapter from prefetch for 30 s.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import queue
 import select
@@ -101,7 +102,14 @@ class PrefetchController:
             "expired_lookups": 0,
             "expired_loads": 0,
             "aborted": 0,
+            "lookup_keys": 0,
+            "load_keys": 0,
         }
+        self.loaded_tasks_by_adapter: dict[str, int] = {}  # by type name
+        # (adapter type, GB/s) of finished load tasks, submit to completion; metrics drain it
+        self.load_throughput: collections.deque[tuple[str, float]] = collections.deque(maxlen=4096)
+        # keys found in L2 that did not load, by (reason, model name)
+        self.failed_keys_by: collections.Counter[tuple[str, str]] = collections.Counter()
         self._poller = threading.Thread(target=self._poll_loop, name="prefetch-poller", daemon=True)
         self._poller.start()
         self._workers = [
@@ -397,6 +405,10 @@ class PrefetchController:
                 "lookup_timeout_seconds": self.lookup_timeout_s,
                 "load_timeout_seconds": self.load_timeout_s,
                 **self.stats,
+                "load_tasks_completed_by_adapter": dict(self.loaded_tasks_by_adapter),
+                "failed_keys_by_reason_and_model": [
+                    [reason, model, n] for (reason, model), n in self.failed_keys_by.items()
+                ],
                 "is_healthy": self._poller.is_alive() and not suspended,
             }
 
@@ -494,6 +506,7 @@ class _RequestRun:
         keys = [self.key(c) for c in missing]
         layouts = {g.object_group_id: g.layout_desc for g in self.spec.key_groups}
         self.ctl.stats["lookup_requests"] += 1
+        self.ctl.stats["lookup_keys"] += len(keys)
         results: dict[int, Any] = {}
         threads = []
 
@@ -656,9 +669,11 @@ class _RequestRun:
         buffers = [objs[c] for c in cells]
         l1.pin_objects(buffers)
         self.ctl.stats["load_tasks"] += 1
+        self.ctl.stats["load_keys"] += len(keys)
         tag = self.tag
         cleaned = threading.Event()
         cleanup_lock = threading.Lock()
+        submitted = time.monotonic()
 
         def late(_bm: Any) -> None:
             # the request already counted these cells as misses; runs once
@@ -684,8 +699,15 @@ class _RequestRun:
             if not waiting:
                 late(None)
             self.ctl.stats["failed_keys"] += len(keys)
+            self.ctl.failed_keys_by.update(("timeout", k.model_name) for k in keys)
             return
+        done = self.ctl.loaded_tasks_by_adapter
+        done[slot.type_name] = done.get(slot.type_name, 0) + 1
         ok = [c for i, c in enumerate(cells) if i < bm.size() and bm.test(i)]
+        elapsed = time.monotonic() - submitted
+        nbytes = sum(int(objs[c].get_size()) for c in ok)
+        if elapsed > 0 and nbytes:
+            self.ctl.load_throughput.append((slot.type_name, nbytes / elapsed / 1e9))
         bad = [c for c in cells if c not in set(ok)]
         if ok:
             res = l1.finish_write_and_reserve_read([self.key(c) for c in ok], self.readers, tag)
@@ -694,6 +716,7 @@ class _RequestRun:
                     self.l2_loaded[c] = l1i
         if bad:
             l1.finish_write_and_delete([self.key(c) for c in bad], tag)
+            self.ctl.failed_keys_by.update(("not_found", self.key(c).model_name) for c in bad)
         l1.unpin_objects(buffers)
         slot.adapter.submit_unlock(keys)
         self.ctl.stats["loaded_keys"] += len(ok)

@@ -74,7 +74,11 @@ class StoreController(L1ManagerListener):
             "failed_tasks": 0,
             "stored_bytes": 0,
             "skipped_keys": 0,
+            "completed_keys": 0,
         }
+        self.completed_tasks_by_adapter: dict[str, int] = defaultdict(int)  # by type name
+        # (adapter type, GB/s) of finished store tasks, submit to completion; metrics drain it
+        self.throughput: deque[tuple[str, float]] = deque(maxlen=4096)
         l1.register_listener(self)
         self._thread = threading.Thread(
             target=self._loop, name=f"store-controller-{l1_index}", daemon=True
@@ -189,7 +193,12 @@ class StoreController(L1ManagerListener):
         name = slot.type_name if slot else "?"
         if result.is_successful():
             self.stats["completed_tasks"] += 1
+            self.stats["completed_keys"] += len(task.keys)
             self.stats["stored_bytes"] += result.bytes_transferred()
+            self.completed_tasks_by_adapter[name] += 1
+            elapsed = time.monotonic() - task.submit_time
+            if elapsed > 0 and result.bytes_transferred():
+                self.throughput.append((name, result.bytes_transferred() / elapsed / 1e9))
             logger.debug(
                 "L2 store task %d on adapter #%d (%s) done: %d keys, %d bytes",
                 task.task_id,
@@ -360,6 +369,7 @@ class StoreController(L1ManagerListener):
             **self.registry.counts(),
             "max_in_flight_per_adapter": self.max_in_flight,
             **self.stats,
+            "completed_tasks_by_adapter": dict(self.completed_tasks_by_adapter),
             "is_healthy": self._thread.is_alive() or self._stop.is_set(),
         }
 

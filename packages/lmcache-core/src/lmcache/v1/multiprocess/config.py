@@ -27,6 +27,8 @@ class MPServerConfig:
     separate_object_groups: bool = False
     instance_id: str = field(default_factory=lambda: str(uuid.uuid4()))
     disable_metrics: bool = False
+    # share of L1 chunks whose lifecycle the metrics follow (--metrics-sample-rate)
+    metrics_sample_rate: float = 0.01
 
     @property
     def lmcache_driven_enabled(self) -> bool:

@@ -36,6 +36,10 @@ logger = init_logger(__name__)
 ENGINE_DRIVEN = "engine_driven"
 LMCACHE_DRIVEN = "lmcache_driven"
 MODE_FIX = "start lmcache server with --supported-transfer-mode auto"
+# Metric labels: the one L1 this server has (0.5.6's default tag), and the device of the
+# engine-driven path, whose copies go through this host's memory.
+L1_TAG = "_default"
+HOST_DEVICE = "cpu"
 
 
 # Engine-driven transfer ops that, on the SHM path, only touch server bookkeeping.
@@ -609,7 +613,8 @@ class CacheEngine:
             )
         self._validate(key, aligned=False)
         session = self.sessions.touch(key.request_id)
-        self.metrics.inc("lmcache_mp_lookups_requests")
+        who = {"cache_salt": key.cache_salt, "model_name": key.model_name}
+        self.metrics.inc("lmcache_mp_lookups_requests", **who)
         first = key.start // self.cs
         job = LookupJob(key.num_kv_readers, first)
         with session.lock:
@@ -622,7 +627,9 @@ class CacheEngine:
         lkey = (key.model_name, key.world_size)
         lay = self.layouts.get(lkey)
         if lay is None:
-            self.metrics.inc("lmcache_mp_lookup_early_exit_requests", reason="no_gpu_context")
+            self.metrics.inc(
+                "lmcache_mp_lookup_early_exit_requests", reason="no_gpu_context", **who
+            )
             if lkey not in self._warned_early_exit:
                 self._warned_early_exit.add(lkey)
                 logger.warning(
@@ -635,7 +642,7 @@ class CacheEngine:
             return
         hashes = self._hashes(session, key, key.end)
         last = len(hashes)
-        self.metrics.inc("lmcache_mp_lookup_requested_tokens", max(0, key.end - key.start))
+        self.metrics.inc("lmcache_mp_lookup_requested_tokens", max(0, key.end - key.start), **who)
         if last <= first:
             job.complete(0)
             return
@@ -677,6 +684,7 @@ class CacheEngine:
                 return
         hit = out.hit_chunks
         ranks = max(1, len(job.rows))
+        model, _world_size, salt = session.key_info
         self.metrics.inc_many(
             {
                 "lmcache_mp_lookup_hit_tokens": hit * self.cs,
@@ -684,7 +692,9 @@ class CacheEngine:
                 "lmcache_mp_lookup_hit_l2_keys": out.l2_keys,
                 "lmcache_mp_lookup_hit_l1_tokens": out.l1_keys * self.cs // ranks,
                 "lmcache_mp_lookup_hit_l2_tokens": out.l2_keys * self.cs // ranks,
-            }
+            },
+            cache_salt=salt,
+            model_name=model,
         )
         readers, first_chunk = job.num_kv_readers, job.first_chunk
         with session.lock:
@@ -740,7 +750,7 @@ class CacheEngine:
 
         def on_timeout() -> None:
             if ctx.reply(None):
-                self.metrics.inc("lmcache_mp_timeouts")
+                self.metrics.inc("lmcache_mp_timeouts", exception_type="LMCacheTimeoutError")
 
         self._parker.at(time.monotonic() + max(0.0, float(timeout)), on_timeout)
         job.on_done(on_done)
@@ -869,7 +879,12 @@ class CacheEngine:
         want = [k for i, k in enumerate(keys) if positions_filter is None or positions_filter[i]]
         out = self.storage.reserve_write(want, lay.desc)
         if out.failed:
-            self.metrics.inc("lmcache_mp_l1_allocation_failure_chunks", len(out.failed))
+            self.metrics.inc(
+                "lmcache_mp_l1_allocation_failure_chunks",
+                len(out.failed),
+                during="l1_store",
+                model_name=inst.model_name,
+            )
             used, total = self.storage.memory_usage()
             _rate_limited_warning(
                 "L1 is full: %d chunk(s) of a store were not cached (L1 %d of %d bytes used); "
@@ -884,13 +899,18 @@ class CacheEngine:
     def _admit(self, res: Reservation) -> bool:
         bad = self.storage.finish_write(list(res.objs))
         if res.objs:
-            self.metrics.inc("lmcache_mp_l1_write_chunks", len(res.objs) - len(bad))
+            self.metrics.inc(
+                "lmcache_mp_l1_write_chunks",
+                len(res.objs) - len(bad),
+                l1_tag=L1_TAG,
+                cache_salt=_salt(res.keys),
+            )
         return not bad and res.failed == 0
 
     def prepare_store(self, ctx: RequestContext, key: P.IPCCacheServerKey, instance_id: int):
         inst = self._instance(instance_id, ENGINE_DRIVEN)
         _session, keys = self._own_keys(key)
-        self.metrics.inc("lmcache_mp_num_submitted_stores")
+        self.metrics.inc("lmcache_mp_num_submitted_stores", device=HOST_DEVICE)
         res = self._reserve(inst, keys)
         rkey = (key.request_id, key.start, key.end)
         with inst.lock:
@@ -923,7 +943,7 @@ class CacheEngine:
         if res is None:
             return False
         ok = self._commit(inst, key, res, data)
-        self.metrics.inc("lmcache_mp_num_finished_stores")
+        self.metrics.inc("lmcache_mp_num_finished_stores", device=HOST_DEVICE)
         return ok
 
     def _commit(
@@ -990,10 +1010,11 @@ class CacheEngine:
         event_ipc_handle: bytes = b"",
     ):
         self._require_mode(LMCACHE_DRIVEN)
-        self.metrics.inc("lmcache_mp_num_submitted_stores")
         inst = self.instances.get(instance_id)
         if inst is None or inst.mode != LMCACHE_DRIVEN:
+            self.metrics.inc("lmcache_mp_num_submitted_stores", device="unknown")
             return (b"", False)
+        self.metrics.inc("lmcache_mp_num_submitted_stores", device=_device(inst))
         inst.last_seen = time.monotonic()
         _session, keys = self._own_keys(key)
         from lmcache.v1.multiprocess.transfer_context.base import gather_paged_kv_to_cpu
@@ -1019,13 +1040,18 @@ class CacheEngine:
                     out=outs,
                     chunk_indices=res.positions,
                 )
-                self._observe_gbps("lmcache_mp_l0_l1_store_throughput", len(outs) * lay.nbytes, t0)
+                self._observe_gbps(
+                    "lmcache_mp_l0_l1_store_throughput_GB_per_second",
+                    inst,
+                    len(outs) * lay.nbytes,
+                    t0,
+                )
         except Exception as exc:
             logger.error("store for instance %d failed: %s", instance_id, exc)
             self.storage.abort_write(list(res.objs))
             return (b"", False)
         ok = self._admit(res)
-        self.metrics.inc("lmcache_mp_num_finished_stores")
+        self.metrics.inc("lmcache_mp_num_finished_stores", device=_device(inst))
         return (b"", ok)
 
     # ------------------------------------------------------------------ reads
@@ -1039,13 +1065,14 @@ class CacheEngine:
         skip_first_n_tokens: int = 0,
     ):
         self._require_mode(LMCACHE_DRIVEN)
-        self.metrics.inc("lmcache_mp_num_submitted_retrieves")
         session, keys = self._own_keys(key)
         self._retrieve_begin(session)
         try:
             inst = self.instances.get(instance_id)
             if inst is None or inst.mode != LMCACHE_DRIVEN:
+                self.metrics.inc("lmcache_mp_num_submitted_retrieves", device="unknown")
                 return (b"", False)
+            self.metrics.inc("lmcache_mp_num_submitted_retrieves", device=_device(inst))
             inst.last_seen = time.monotonic()
             from lmcache.v1.multiprocess.transfer_context.base import scatter_cpu_to_paged_kv
 
@@ -1053,7 +1080,7 @@ class CacheEngine:
             ids = list(block_ids[0]) if block_ids else []
             objs = self.storage.read_locked(keys)
             if objs is None or len(ids) < len(keys) * bpc:
-                self.metrics.inc("lmcache_mp_l1_read_failure_chunks", len(keys))
+                self._count_read_failure(inst, len(keys))
                 return (b"", False)
             lay = self.layouts[inst.layout_key]
             t0 = time.perf_counter()
@@ -1066,10 +1093,14 @@ class CacheEngine:
                 skip_first_n_tokens,
                 layout_hints=inst.layout_hints,
             )
-            self._observe_gbps("lmcache_mp_l0_l1_load_throughput", len(keys) * lay.nbytes, t0)
-            self.metrics.inc("lmcache_mp_l1_read_chunks", len(keys))
-            self.metrics.inc("lmcache_mp_num_chunks_loaded", len(keys))
-            self.metrics.inc("lmcache_mp_num_finished_retrieves")
+            self._observe_gbps(
+                "lmcache_mp_l0_l1_load_throughput_GB_per_second",
+                inst,
+                len(keys) * lay.nbytes,
+                t0,
+            )
+            self._count_reads(inst, key, len(keys))
+            self.metrics.inc("lmcache_mp_num_finished_retrieves", device=_device(inst))
             return (b"", True)
         except RequestError:
             raise
@@ -1083,11 +1114,11 @@ class CacheEngine:
     def prepare_retrieve(self, ctx: RequestContext, key: P.IPCCacheServerKey, instance_id: int):
         inst = self._instance(instance_id, ENGINE_DRIVEN)
         session, keys = self._own_keys(key)
-        self.metrics.inc("lmcache_mp_num_submitted_retrieves")
+        self.metrics.inc("lmcache_mp_num_submitted_retrieves", device=HOST_DEVICE)
         lay = self.layouts[inst.layout_key]
         objs = self.storage.read_locked(keys)
         if objs is None:
-            self.metrics.inc("lmcache_mp_l1_read_failure_chunks", len(keys))
+            self._count_read_failure(inst, len(keys))
             if inst.strategy != "shm":
                 self._release_worker_shares(session, key, keys)
             else:
@@ -1096,8 +1127,7 @@ class CacheEngine:
                         PendingRead(key, keys, time.monotonic(), session, copying=False)
                     )
             return {"success": False, "data": b"", "context": {}}
-        self.metrics.inc("lmcache_mp_l1_read_chunks", len(keys))
-        self.metrics.inc("lmcache_mp_num_chunks_loaded", len(keys))
+        self._count_reads(inst, key, len(keys))
         if inst.strategy == "shm":
             slots = [
                 {
@@ -1130,7 +1160,7 @@ class CacheEngine:
                 context = {}
         finally:
             self._release_worker_shares(session, key, keys)
-        self.metrics.inc("lmcache_mp_num_finished_retrieves")
+        self.metrics.inc("lmcache_mp_num_finished_retrieves", device=HOST_DEVICE)
         return {"success": True, "data": data, "context": context}
 
     def commit_retrieve(self, ctx: RequestContext, key: P.IPCCacheServerKey, instance_id: int):
@@ -1141,17 +1171,42 @@ class CacheEngine:
             failed = inst.pending_reads.pop((*rkey, "failed"), None)
         if read is not None:
             self._finish_read(read)
-            self.metrics.inc("lmcache_mp_num_finished_retrieves")
+            self.metrics.inc("lmcache_mp_num_finished_retrieves", device=HOST_DEVICE)
             return True
         if failed is not None:
             self._finish_read(failed)
             return False
         return inst.strategy != "shm"
 
-    def _observe_gbps(self, name: str, nbytes: int, t0: float) -> None:
+    def _observe_gbps(self, name: str, inst: Instance, nbytes: int, t0: float) -> None:
         dt = time.perf_counter() - t0
         if dt > 0 and nbytes:
-            self.metrics.observe(name, nbytes / dt / 1e9)
+            self.metrics.observe(
+                name,
+                nbytes / dt / 1e9,
+                device=_device(inst),
+                engine_id=str(inst.instance_id),
+                model_name=inst.model_name,
+            )
+
+    def _count_reads(self, inst: Instance, key: P.IPCCacheServerKey, n: int) -> None:
+        self.metrics.inc("lmcache_mp_l1_read_chunks", n, l1_tag=L1_TAG, cache_salt=key.cache_salt)
+        self.metrics.inc(
+            "lmcache_mp_num_chunks_loaded",
+            n,
+            cache_salt=key.cache_salt,
+            model_name=inst.model_name,
+            worker_id=str(inst.instance_id),
+        )
+
+    def _count_read_failure(self, inst: Instance, n: int) -> None:
+        self.metrics.inc(
+            "lmcache_mp_l1_read_failure_chunks",
+            n,
+            during="l1_retrieve",
+            reason="not_found",
+            model_name=inst.model_name,
+        )
 
     # ------------------------------------------------------------------ maintenance
     def clear(self, ctx: RequestContext, force: bool = False):
@@ -1406,6 +1461,16 @@ def _close_all(wrappers: list[Any]) -> None:
 
 
 _last_warning = [0.0]
+
+
+def _device(inst: Instance) -> str:
+    """The device type of a worker's registered KV cache (a metric label)."""
+    return inst.kv_caches[0].device.type if inst.kv_caches else HOST_DEVICE
+
+
+def _salt(keys: list[Any]) -> str:
+    """The cache_salt of a request's keys (a metric label)."""
+    return str(getattr(keys[0], "cache_salt", "") or "") if keys else ""
 
 
 def _rate_limited_warning(msg: str, *args: Any) -> None:

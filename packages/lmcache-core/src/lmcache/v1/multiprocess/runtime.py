@@ -13,7 +13,8 @@ from typing import Any
 
 from lmcache.utils import init_logger
 from lmcache.v1.multiprocess.config import MPServerConfig
-from lmcache.v1.multiprocess.engine import CacheEngine
+from lmcache.v1.multiprocess.engine import L1_TAG, CacheEngine
+from lmcache.v1.multiprocess.l1_lifecycle import L1Lifecycle
 from lmcache.v1.multiprocess.metrics import ServerMetrics
 from lmcache.v1.multiprocess.server import MPCacheServer
 from lmcache.v1.multiprocess.storage_bridge import StorageBridge
@@ -66,8 +67,11 @@ class ServerRuntime:
             shm_disabled_reason=shm.disabled_reason,
         )
         self.server = MPCacheServer(self.engine)
-        self.metrics.set("lmcache_mp_shm_enabled", 1 if shm.name else 0)
-        self._fed: dict[str, int] = {}  # eviction totals already added to the counters
+        self._fed: dict[tuple[str, Any], int] = {}  # storage totals already in the counters
+        self.l1_lifecycle: L1Lifecycle | None = None
+        if not config.disable_metrics and hasattr(self.storage.l1, "register_listener"):
+            self.l1_lifecycle = L1Lifecycle(config.metrics_sample_rate)
+            self.storage.l1.register_listener(self.l1_lifecycle)
         self.metrics.add_gauge_source(self._refresh_gauges)
         self._stopped = False
 
@@ -100,37 +104,117 @@ class ServerRuntime:
             _unlink_shm(self.shm.name)
 
     def _refresh_gauges(self, m: ServerMetrics) -> None:
+        l1 = {"backend": "dram", "l1_tag": L1_TAG}
         used, total = self.storage.memory_usage()
-        m.set("lmcache_mp_l1_memory_usage_bytes", used)
-        m.set("lmcache_mp_l1_usage_ratio", used / total if total else 0.0)
-        m.set("lmcache_mp_l1_staging_bytes", self.storage.staging_bytes())
+        m.set("lmcache_mp_l1_memory_usage_bytes", used, **l1)
+        m.set("lmcache_mp_l1_usage_ratio", used / total if total else 0.0, **l1)
+        m.set("lmcache_mp_l1_staging_bytes", self.storage.staging_bytes(), **l1)
+        m.set("lmcache_mp_shm_enabled", 1 if self.shm.name else 0)
         st = self.engine.status()
         m.set("lmcache_mp_active_prefetch_jobs", st["active_prefetch_jobs"])
-        self._feed_eviction_counters(m)
-
-    def _feed_eviction_counters(self, m: ServerMetrics) -> None:
-        """The storage layer keeps cumulative eviction counts; add what is new since the
-        last scrape (after ``/metrics/reset`` the counters restart from the new ones)."""
+        for name in (
+            "lmcache_mp_active_p2p_lookup_jobs",
+            "lmcache_mp_event_bus_queue_depth",
+            "lmcache_mp_event_bus_drain_lag_seconds",
+            "lmcache_mp_kv_events_log_depth",
+        ):
+            m.set(name, 0)
         status = self.storage.status()
-        l1_ctls = (status.get("l1_eviction_controllers") or {}).values()
-        l1 = (status.get("l1_managers") or {}).values()
+        adapters = [a for a in status.get("l2_adapters") or [] if isinstance(a, dict)]
+        draining = sum(1 for a in adapters if a.get("draining"))
+        for state, n in (("active", len(adapters) - draining), ("draining", draining)):
+            m.set("lmcache_mp_l2_store_adapters", n, l1_tag=L1_TAG, state=state)
+            m.set("lmcache_mp_l2_prefetch_adapters", n, state=state)
+        usage: dict[str, float] = {}
+        for a in adapters:
+            usage[a.get("type", "?")] = usage.get(a.get("type", "?"), 0) + a.get("usage_bytes", 0)
+        for name, n in usage.items():
+            m.set("lmcache_mp_l2_usage_bytes", n, l2_name=name)
+        if self.l1_lifecycle is not None:
+            for name, seconds in self.l1_lifecycle.drain():
+                m.observe(f"lmcache_mp_l1_chunk_{name}_seconds", seconds, l1_tag=L1_TAG)
+        for kind, name, gbps in self.storage.drain_l2_throughput():
+            m.observe(f"lmcache_mp_l2_{kind}_throughput_GB_per_second", gbps, l2_name=name)
+        self._feed_storage_counters(m, status)
+
+    def _feed_storage_counters(self, m: ServerMetrics, status: dict[str, Any]) -> None:
+        """The storage layer keeps cumulative counts (evictions, L2 tasks); add what is new
+        since the last scrape (after ``/metrics/reset`` the counters restart from there)."""
+        l1_ctls = _parts(status.get("l1_eviction_controllers"))
+        l1 = _parts(status.get("l1_managers"))
         l2 = status.get("l2_eviction_controller") or {}
-        totals = {
-            "lmcache_mp_l1_evicted_chunks": sum(int(c.get("evicted_keys", 0)) for c in l1_ctls)
-            + sum(int(x.get("demand_evicted_keys", 0)) for x in l1),
-            "lmcache_mp_l1_eviction_loop_ticks": sum(
-                int((c.get("eviction") or {}).get("cycles", 0)) for c in l1_ctls
+        stores = _parts(status.get("store_controllers"))
+        prefetch = status.get("prefetch_controller") or {}
+
+        def total(rows: list[dict[str, Any]], key: str) -> int:
+            return sum(int(r.get(key, 0)) for r in rows)
+
+        feeds: list[tuple[str, dict[str, str], int]] = [
+            (
+                "lmcache_mp_l1_evicted_chunks",
+                {"l1_tag": L1_TAG},
+                total(l1_ctls, "evicted_keys") + total(l1, "demand_evicted_keys"),
             ),
-            "lmcache_mp_l1_eviction_loop_triggered": sum(
-                int(c.get("triggered_cycles", 0)) for c in l1_ctls
+            (
+                "lmcache_mp_l1_eviction_loop_ticks",
+                {},
+                sum(int((c.get("eviction") or {}).get("cycles", 0)) for c in l1_ctls),
             ),
-            "lmcache_mp_l2_evicted_objects_chunks": int(l2.get("evicted_keys", 0)),
-        }
-        for name, total in totals.items():
-            delta = total - self._fed.get(name, 0)
+            ("lmcache_mp_l1_eviction_loop_triggered", {}, total(l1_ctls, "triggered_cycles")),
+            ("lmcache_mp_l2_evicted_objects_chunks", {}, int(l2.get("evicted_keys", 0))),
+            ("lmcache_mp_l2_store_submitted_requests", {}, total(stores, "submitted_tasks")),
+            ("lmcache_mp_l2_store_submitted_objects_chunks", {}, total(stores, "submitted_keys")),
+            ("lmcache_mp_l2_store_completed_objects_chunks", {}, total(stores, "completed_keys")),
+            ("lmcache_mp_l2_prefetch_lookup_requests", {}, int(prefetch.get("lookup_requests", 0))),
+            (
+                "lmcache_mp_l2_prefetch_lookup_objects_chunks",
+                {},
+                int(prefetch.get("lookup_keys", 0)),
+            ),
+            (
+                "lmcache_mp_l2_prefetch_load_submitted_requests",
+                {},
+                int(prefetch.get("load_tasks", 0)),
+            ),
+            (
+                "lmcache_mp_l2_prefetch_load_submitted_objects_chunks",
+                {},
+                int(prefetch.get("load_keys", 0)),
+            ),
+            (
+                "lmcache_mp_l2_prefetch_load_completed_chunks",
+                {},
+                int(prefetch.get("loaded_keys", 0)),
+            ),
+        ]
+        by_adapter: dict[str, int] = {}
+        for row in stores:
+            for name, n in (row.get("completed_tasks_by_adapter") or {}).items():
+                by_adapter[name] = by_adapter.get(name, 0) + int(n)
+        feeds += [
+            ("lmcache_mp_l2_store_completed_requests", {"l2_name": name}, n)
+            for name, n in by_adapter.items()
+        ]
+        feeds += [
+            ("lmcache_mp_l2_load_completed_requests", {"l2_name": name}, int(n))
+            for name, n in (prefetch.get("load_tasks_completed_by_adapter") or {}).items()
+        ]
+        feeds += [
+            ("lmcache_mp_l2_prefetch_failure_chunks", {"reason": r, "model_name": m}, int(n))
+            for r, m, n in prefetch.get("failed_keys_by_reason_and_model") or []
+        ]
+        for name, labels, now in feeds:
+            key = (name, tuple(sorted(labels.items())))
+            delta = now - self._fed.get(key, 0)
             if delta > 0:
-                m.inc(name, delta)
-            self._fed[name] = total
+                m.inc(name, delta, **labels)
+            self._fed[key] = now
+
+
+def _parts(value: Any) -> list[dict[str, Any]]:
+    """Per-L1 parts of the storage status: a list, or a dict keyed by L1 tag."""
+    rows = value.values() if isinstance(value, dict) else (value or [])
+    return [r for r in rows if isinstance(r, dict)]
 
 
 def _unlink_shm(name: str) -> None:

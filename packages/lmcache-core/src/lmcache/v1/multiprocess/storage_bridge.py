@@ -145,6 +145,19 @@ class StorageBridge:
         except Exception:
             return 0
 
+    def drain_l2_throughput(self) -> list[tuple[str, str, float]]:
+        """(``store``/``load``, adapter type, GB/s) of the L2 tasks finished since the last call."""
+        out: list[tuple[str, str, float]] = []
+        queues = [("store", sc.throughput) for sc in getattr(self.sm, "store_controllers", [])]
+        prefetch = getattr(self.sm, "prefetch_controller", None)
+        if prefetch is not None:
+            queues.append(("load", prefetch.load_throughput))
+        for kind, queue in queues:
+            while queue:
+                name, gbps = queue.popleft()
+                out.append((kind, name, gbps))
+        return out
+
     def status(self) -> dict[str, Any]:
         try:
             return self.sm.report_status()
