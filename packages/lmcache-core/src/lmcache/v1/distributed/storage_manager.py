@@ -38,6 +38,7 @@ from lmcache.v1.distributed.l2_adapters.config import (
     get_type_name_for_config,
 )
 from lmcache.v1.distributed.l2_adapters.factory import create_l2_adapter_from_registry
+from lmcache.v1.distributed.l2_adapters.health import adapter_health
 from lmcache.v1.distributed.l2_adapters.serde_wrapper import (
     SerdeL2AdapterWrapper,
     create_l2_serde,
@@ -385,6 +386,10 @@ class StorageManager:
             suspended = bool(
                 self.prefetch_controller and self.prefetch_controller.is_suspended(s.index)
             )
+            health = adapter_health(st)
+            if suspended:
+                health["healthy"] = False
+                health["last_error"] = health["last_error"] or "suspended from prefetch"
             adapters.append(
                 {
                     "index": s.index,
@@ -395,7 +400,8 @@ class StorageManager:
                     "usage_bytes": usage.total_bytes_used,
                     "capacity_bytes": usage.total_capacity_bytes,
                     "status": st,
-                    "is_healthy": bool(st.get("is_healthy", False)) and not suspended,
+                    "health": health,
+                    "is_healthy": health["healthy"],
                 }
             )
         l1 = [m.report_status() for m in self.l1_managers]
@@ -421,6 +427,7 @@ class StorageManager:
         status["is_healthy"] = all(p.get("is_healthy", True) for p in parts) and all(
             a["is_healthy"] for a in adapters
         )
+        status["unhealthy_reasons"] = unhealthy_reasons(status)
         return status
 
     def close(self) -> None:
@@ -443,3 +450,22 @@ class StorageManager:
             ctl.stop()
         for l1 in self.l1_managers:
             l1.close()
+
+
+def unhealthy_reasons(status: dict[str, Any]) -> list[str]:
+    """One line per unhealthy part of a ``report_status()``: each L2 adapter with its last
+    error, each stopped controller."""
+    reasons = [
+        f"L2 adapter #{a['index']} ({a['type']}) is unhealthy: "
+        f"{a['health'].get('last_error') or 'no error reported'}"
+        for a in status.get("l2_adapters", [])
+        if not a["is_healthy"]
+    ]
+    for name in ("l1_managers", "l1_eviction_controllers", "store_controllers"):
+        for i, part in enumerate(status.get(name) or []):
+            if not part.get("is_healthy", True):
+                reasons.append(f"{name}[{i}] is unhealthy")
+    l2_ev = status.get("l2_eviction_controller") or {}
+    if not l2_ev.get("is_healthy", True):
+        reasons.append("l2_eviction_controller is unhealthy")
+    return reasons
