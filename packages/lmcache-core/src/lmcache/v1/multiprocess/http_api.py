@@ -17,7 +17,7 @@ from importlib import metadata
 from typing import Any
 
 from fastapi import Body, FastAPI, HTTPException, Query
-from fastapi.responses import PlainTextResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from lmcache.utils import init_logger
 
@@ -46,10 +46,11 @@ def build_app(runtime: Any) -> FastAPI:
 
     @app.get("/healthcheck")
     def healthcheck() -> Any:
-        if runtime.server.endpoint and runtime.server.accepting:
+        health = runtime.health()
+        if health.healthy:
             return {"status": "healthy"}
-        return Response(
-            status_code=503, content='{"status":"unhealthy"}', media_type="application/json"
+        return JSONResponse(
+            status_code=503, content={"status": "unhealthy", "reason": health.reason}
         )
 
     @app.get("/status")
@@ -57,9 +58,10 @@ def build_app(runtime: Any) -> FastAPI:
         cfg = runtime.config
         sm = storage.status()
         used, total = storage.memory_usage()
-        healthy = bool(sm.get("is_healthy", True)) if isinstance(sm, dict) else True
+        health = runtime.health(sm)
         return {
-            "is_healthy": healthy and runtime.server.accepting,
+            "is_healthy": health.healthy,
+            "unhealthy_reasons": health.reasons,
             "engine_type": "default",
             "chunk_size": cfg.chunk_size,
             "hash_algorithm": cfg.hash_algorithm,
