@@ -176,6 +176,14 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         help="drop a request's session this long after its last use (default 600)",
     )
     g.add_argument(
+        "--max-sessions",
+        type=int,
+        default=10000,
+        help="keep at most this many request sessions; a new one beyond it ends the least "
+        "recently used and counts it in lmcache_mp_sessions_evicted_total (0 = no cap; "
+        "default 10000)",
+    )
+    g.add_argument(
         "--separate-object-groups",
         action="store_true",
         default=False,
@@ -311,6 +319,10 @@ def validate_args(args: argparse.Namespace) -> None:
             f"--shm-name {shm_name!r} is not a valid shared-memory name: use a plain name "
             "without '/' (one leading '/' is allowed) or NUL, e.g. --shm-name lmcache"
         )
+    if args.max_sessions < 0:
+        raise CLIError(
+            f"--max-sessions must be >= 0 (got {args.max_sessions}); 0 turns the cap off"
+        )
     if args.session_ttl_seconds == 0:
         raise CLIError("--session-ttl-seconds must be positive (got 0)")
 
@@ -346,6 +358,7 @@ def build_configs(args: argparse.Namespace):
         worker_reap_timeout_seconds=args.worker_reap_timeout_seconds,
         worker_registration_grace_seconds=args.worker_registration_grace_seconds,
         session_ttl_seconds=args.session_ttl_seconds,
+        max_sessions=args.max_sessions,
         l1_write_ttl_seconds=float(args.l1_write_ttl_seconds),
         retrieve_lease_seconds=args.retrieve_lease_seconds,
         separate_object_groups=args.separate_object_groups,

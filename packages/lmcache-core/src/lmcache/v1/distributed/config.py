@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -347,6 +348,46 @@ _L1_EXTRA = {
 }
 
 
+def machine_memory_bytes() -> int | None:
+    """RAM plus swap: the most memory this machine can ever give a process (an anonymous
+    mapping larger than that is refused by the kernel's default overcommit check), or None
+    where the OS does not say."""
+    fields = {}
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                name, _, rest = line.partition(":")
+                if name in ("MemTotal", "SwapTotal"):
+                    fields[name] = int(rest.split()[0]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    if "MemTotal" in fields:
+        return fields["MemTotal"] + fields.get("SwapTotal", 0)
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_l1_size_gb(size_gb: Any, flag: str) -> None:
+    """An L1 size must be a positive, finite number of GiB this machine can hold. A size
+    above the memory available now only warns (at start-up): a lazy L1 commits memory as it
+    fills."""
+    if not (
+        isinstance(size_gb, int | float)
+        and not isinstance(size_gb, bool)
+        and math.isfinite(size_gb)
+        and size_gb > 0
+    ):
+        raise ValueError(f"{flag} must be a positive, finite number of GiB (got {size_gb!r})")
+    limit = machine_memory_bytes()
+    if limit is not None and size_gb * GiB > limit:
+        raise ValueError(
+            f"{flag} {size_gb:g} is more than this machine's memory ({limit / GiB:.1f} GiB of "
+            f"RAM and swap); pass at most {flag} {math.floor(limit / GiB * 10) / 10:g}"
+        )
+
+
 def _num(d: dict[str, Any], k: str, default: float, lo: float | None = None) -> float:
     v = d.get(k, default)
     if isinstance(v, bool) or not isinstance(v, (int, float)) or (lo is not None and v < lo):
@@ -466,8 +507,12 @@ def parse_args_to_storage_manager_config(args: argparse.Namespace) -> StorageMan
             policy = getattr(args, "eviction_policy_default", None)
         if size_gb is None or policy is None:
             raise ValueError("Legacy L1 configuration requires --l1-size-gb and --eviction-policy")
-        if size_gb <= 0:
-            raise ValueError(f"--l1-size-gb must be positive (got {size_gb})")
+        check_l1_size_gb(size_gb, "--l1-size-gb")
+        init_gb = getattr(args, "l1_init_size_gb", 20)
+        if not (isinstance(init_gb, int | float) and math.isfinite(init_gb) and init_gb >= 0):
+            raise ValueError(
+                f"--l1-init-size-gb must be a finite number of GiB >= 0 (got {init_gb!r})"
+            )
         align = int(getattr(args, "l1_align_bytes", 4096))
         if align <= 0 or align & (align - 1):
             raise ValueError(f"--l1-align-bytes must be a power of two (got {align})")
@@ -481,7 +526,7 @@ def parse_args_to_storage_manager_config(args: argparse.Namespace) -> StorageMan
         mem = L1MemoryManagerConfig(
             size_in_bytes=int(size_gb * GiB),
             use_lazy=bool(getattr(args, "l1_use_lazy", True)),
-            init_size_in_bytes=int(getattr(args, "l1_init_size_gb", 20) * GiB),
+            init_size_in_bytes=int(init_gb * GiB),
             align_bytes=align,
             shm_name=shm_name,
             use_hugepages=use_hugepages,

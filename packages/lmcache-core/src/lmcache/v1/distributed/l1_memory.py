@@ -202,9 +202,15 @@ class _Arena:
         if self._mm is None:
             # NORESERVE: a lazy L1 larger than free RAM only commits what it touches, so it
             # must start (with a warning) instead of failing with ENOMEM.
-            self._mm = mmap.mmap(
-                -1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE
-            )
+            try:
+                self._mm = mmap.mmap(
+                    -1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE
+                )
+            except OSError as exc:
+                raise MemoryError(
+                    f"cannot map an L1 pool of {size / 2**30:.2f} GiB ({exc.strerror}); "
+                    "lower --l1-size-gb"
+                ) from exc
         self.tensor = torch.frombuffer(self._mm, dtype=torch.uint8)
         self.ptr = self.tensor.data_ptr()
 
