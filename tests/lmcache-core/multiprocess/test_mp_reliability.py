@@ -219,5 +219,5 @@ def test_l1_size_that_is_not_a_positive_number_exits_2_naming_the_flag(value):
 def test_l1_larger_than_the_machine_exits_2_naming_the_flag():
     out = _cli("--l1-size-gb", "1000000", "--http-port", "0")
     assert out.returncode == 2, out.stdout + out.stderr
-    assert "--l1-size-gb 1e+06 is more than this machine's memory" in out.stderr
-    assert "pass at most --l1-size-gb" in out.stderr and "Traceback" not in out.stderr
+    assert "--l1-size-gb 1e+06 is too large for this machine" in out.stderr  # 1 PiB
+    assert "pass a smaller --l1-size-gb" in out.stderr and "Traceback" not in out.stderr

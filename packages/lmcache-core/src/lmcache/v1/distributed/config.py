@@ -348,31 +348,12 @@ _L1_EXTRA = {
 }
 
 
-def machine_memory_bytes() -> int | None:
-    """RAM plus swap: the most memory this machine can ever give a process (an anonymous
-    mapping larger than that is refused by the kernel's default overcommit check), or None
-    where the OS does not say."""
-    fields = {}
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                name, _, rest = line.partition(":")
-                if name in ("MemTotal", "SwapTotal"):
-                    fields[name] = int(rest.split()[0]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    if "MemTotal" in fields:
-        return fields["MemTotal"] + fields.get("SwapTotal", 0)
-    try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
 def check_l1_size_gb(size_gb: Any, flag: str) -> None:
-    """An L1 size must be a positive, finite number of GiB this machine can hold. A size
+    """An L1 size must be a positive, finite number of GiB this machine can map. A size
     above the memory available now only warns (at start-up): a lazy L1 commits memory as it
     fills."""
+    from lmcache.v1.distributed.l1_memory import mapping_error
+
     if not (
         isinstance(size_gb, int | float)
         and not isinstance(size_gb, bool)
@@ -380,11 +361,11 @@ def check_l1_size_gb(size_gb: Any, flag: str) -> None:
         and size_gb > 0
     ):
         raise ValueError(f"{flag} must be a positive, finite number of GiB (got {size_gb!r})")
-    limit = machine_memory_bytes()
-    if limit is not None and size_gb * GiB > limit:
+    error = mapping_error(int(size_gb * GiB))
+    if error is not None:
         raise ValueError(
-            f"{flag} {size_gb:g} is more than this machine's memory ({limit / GiB:.1f} GiB of "
-            f"RAM and swap); pass at most {flag} {math.floor(limit / GiB * 10) / 10:g}"
+            f"{flag} {size_gb:g} is too large for this machine: it cannot map that much memory "
+            f"({error}); pass a smaller {flag}"
         )
 
 

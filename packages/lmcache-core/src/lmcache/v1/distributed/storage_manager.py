@@ -372,6 +372,38 @@ class StorageManager:
         return all(l1.memcheck() for l1 in self.l1_managers)
 
     def report_status(self) -> dict[str, Any]:
+        status = self._health_parts()
+        l1 = [m.report_status() for m in self.l1_managers]
+        status.update(
+            {
+                "l1_managers": l1,
+                "l1": l1[0] if l1 else {},
+                "prefetch_controller": self.prefetch_controller.report_status()
+                if self.prefetch_controller
+                else {},
+            }
+        )
+        parts = [
+            *l1,
+            *status["l1_eviction_controllers"],
+            *status["store_controllers"],
+            status["l2_eviction_controller"],
+        ]
+        status["is_healthy"] = all(p.get("is_healthy", True) for p in parts) and all(
+            a["is_healthy"] for a in status["l2_adapters"]
+        )
+        status["unhealthy_reasons"] = unhealthy_reasons(status)
+        return status
+
+    def health_reasons(self) -> list[str]:
+        """Why the storage engine is unhealthy (empty when it is not), without the L1 parts
+        of ``report_status`` (whose memory check walks every object): L2 adapters and
+        controller threads. For frequent health checks."""
+        return unhealthy_reasons(self._health_parts())
+
+    def _health_parts(self) -> dict[str, Any]:
+        """The parts of the status that carry health: the L2 adapters, the eviction and
+        store controllers (restarting an eviction thread that died)."""
         for ctl in self.l1_eviction_controllers:
             ctl.ensure_running()
         if self.l2_eviction_controller is not None:
@@ -404,31 +436,14 @@ class StorageManager:
                     "is_healthy": health["healthy"],
                 }
             )
-        l1 = [m.report_status() for m in self.l1_managers]
-        status: dict[str, Any] = {
-            "l1_managers": l1,
-            "l1": l1[0] if l1 else {},
+        return {
             "l1_eviction_controllers": [c.report_status() for c in self.l1_eviction_controllers],
             "store_controllers": [c.report_status() for c in self.store_controllers],
-            "prefetch_controller": self.prefetch_controller.report_status()
-            if self.prefetch_controller
-            else {},
             "l2_eviction_controller": self.l2_eviction_controller.report_status()
             if self.l2_eviction_controller
             else {},
             "l2_adapters": adapters,
         }
-        parts = [
-            *l1,
-            *status["l1_eviction_controllers"],
-            *status["store_controllers"],
-            status["l2_eviction_controller"],
-        ]
-        status["is_healthy"] = all(p.get("is_healthy", True) for p in parts) and all(
-            a["is_healthy"] for a in adapters
-        )
-        status["unhealthy_reasons"] = unhealthy_reasons(status)
-        return status
 
     def close(self) -> None:
         if self._closed:

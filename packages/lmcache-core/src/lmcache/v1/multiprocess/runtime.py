@@ -113,12 +113,16 @@ class ServerRuntime:
         """Whether the server is healthy, and why not: the one place ``/healthcheck`` and
         ``/status`` get it from. Unhealthy while the RPC server is not serving, or while a
         part of the storage engine is (an L2 backend that fails, with its last error).
-        ``storage_status`` reuses a ``StorageBridge.status()`` the caller already has."""
+        ``storage_status`` reuses a ``StorageBridge.status()`` the caller already has;
+        without it only the cheap health parts of the storage engine are asked (no L1
+        memory check), so a frequent liveness probe costs the L1 nothing."""
         reasons = []
         if not (self.server.endpoint and self.server.accepting):
             reasons.append("the RPC server is not serving")
-        sm = storage_status if storage_status is not None else self.storage.status()
-        if "error" in sm:
+        sm = storage_status
+        if sm is None:
+            reasons.extend(self.storage.health_reasons())
+        elif "error" in sm:
             reasons.append(f"the storage engine cannot report its status: {sm['error']}")
         elif not sm.get("is_healthy", True):
             reasons.extend(sm.get("unhealthy_reasons") or ["the storage engine is unhealthy"])
