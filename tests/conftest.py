@@ -12,6 +12,9 @@
           srv.log()        # everything the server printed so far
           srv.stop()       # optional; returns the exit code
 
+  A server whose L2 backend is down answers ``/healthcheck`` with 503; pass
+  ``healthy=False`` to take that answer as "ready" too.
+
   ``lmcache_server_module`` is the same factory with module scope (one server shared by
   a test module). Defaults: ``--l1-size-gb 0.25``, ``--worker-reap-timeout-seconds 0`` and ``--shm-name ""``
   (the copy path; the CLI's own default turns SHM on) unless the test
@@ -72,8 +75,10 @@ class LMCacheServerProcess:
         with open(self._log_path, errors="replace") as f:
             return f.read()
 
-    def wait_ready(self, timeout: float = 60.0) -> None:
+    def wait_ready(self, timeout: float = 60.0, healthy: bool = True) -> None:
         import httpx
+
+        ready = (200,) if healthy else (200, 503)
 
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -83,7 +88,7 @@ class LMCacheServerProcess:
                 )
             try:
                 r = httpx.get(self.http_url + "/healthcheck", timeout=1.0)
-                if r.status_code == 200:
+                if r.status_code in ready:
                     return
             except httpx.HTTPError:
                 pass
@@ -121,6 +126,7 @@ def _server_factory():
         env: dict[str, str] | None = None,
         ready_timeout: float = 60.0,
         test_defaults: bool = True,
+        healthy: bool = True,
     ) -> LMCacheServerProcess:
         argv = list(args)
         if (
@@ -137,7 +143,7 @@ def _server_factory():
         argv += ["--host", "127.0.0.1", "--port", str(port), "--http-port", str(http_port)]
         srv = LMCacheServerProcess(argv, env, port, http_port)
         started.append(srv)
-        srv.wait_ready(ready_timeout)
+        srv.wait_ready(ready_timeout, healthy)
         return srv
 
     return start, started

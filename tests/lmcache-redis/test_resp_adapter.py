@@ -202,11 +202,22 @@ def test_server_killed_mid_batch_fails_then_recovers(h, adapters, redis_server, 
     assert not h.store(a, [h.key(1000)], [h.make_obj(10)]).is_successful()
     assert h.lookup(a, [keys[0]]).test(0) is False
     assert h.load(a, [keys[0]], [h.empty_like(objs[0])]).test(0) is False
-    assert a.report_status()["is_healthy"] is True
+    # ... and the adapter says so, with the cause (issue 20: a dead L2 was invisible).
+    st = a.report_status()
+    assert st["is_healthy"] is False and st["healthy"] is False
+    assert "redis" in st["last_error"] and st["last_error_time"] > 0
+    assert "store" in st["failing_ops"]
+    assert "redis" in done[tid].error  # the failed store says why
 
     redis_server.start()  # same port: workers reconnect with backoff
     ok = h.wait_until(lambda: h.store(a, [h.key(2000)], [h.make_obj(10)]).is_successful(), 20)
     assert ok
+    # Every kind of operation that failed while the server was down works again.
+    assert h.lookup(a, [h.key(2000)]).test(0) is True
+    a.submit_unlock([h.key(2000)])
+    assert h.load(a, [h.key(2000)], [h.make_obj(10, seed=-1)]).test(0) is True
+    st = a.report_status()
+    assert st["is_healthy"] is True and st["last_success_time"] >= st["last_error_time"]
     small = [h.make_obj(300, seed=i) for i in range(8)]
     assert h.store(a, keys[:8], small).is_successful()
     dst = [h.empty_like(o) for o in small]
@@ -221,6 +232,40 @@ def test_unreachable_server_completes_with_failures(h, adapters):
     adapters.append(a)
     assert not h.store(a, [h.key(1)], [h.make_obj(10)]).is_successful()
     assert h.lookup(a, [h.key(1)]).test(0) is False
+
+
+def test_unreachable_host_is_reported_once_without_any_traffic(h, adapters, caplog):
+    """Issue 20: an unreachable backend used to be invisible until traffic failed. The idle
+    health check finds it at start, warns once naming host and cause, and keeps it unhealthy."""
+    caplog.set_level("WARNING", logger="lmcache")
+    a = h.build("resp", host="nonexistent.invalid", port=6379, health_check_interval_s=0.2)
+    adapters.append(a)
+    assert h.wait_until(lambda: a.report_status()["last_error"] is not None, 20)
+    # several health checks later: still unhealthy, still one warning
+    first = a.report_status()["last_error_time"]
+    assert h.wait_until(lambda: a.report_status()["failures"] >= 3, 20)
+    st = a.report_status()
+    assert st["is_healthy"] is False and st["last_success_time"] is None
+    assert "nonexistent.invalid" in st["last_error"] and st["last_error_time"] >= first
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1, warnings
+    assert "resp at nonexistent.invalid:6379" in warnings[0]
+    assert "cannot resolve nonexistent.invalid" in warnings[0]
+
+
+def test_idle_health_check_sees_the_server_die_and_come_back(h, adapters, redis_server):
+    a = _resp(h, redis_server, health_check_interval_s=0.2)
+    adapters.append(a)
+    assert h.wait_until(lambda: a.report_status()["last_success_time"] is not None, 20)
+    assert a.report_status()["is_healthy"] is True
+    redis_server.kill()
+    assert h.wait_until(lambda: not a.report_status()["is_healthy"], 20)
+    # the next checks cannot reconnect, and say where and why
+    refused = f"cannot connect to redis at 127.0.0.1:{redis_server.port}: Connection refused"
+    assert h.wait_until(lambda: refused in a.report_status()["last_error"], 20)
+    assert not a.report_status()["is_healthy"]
+    redis_server.start()
+    assert h.wait_until(lambda: a.report_status()["is_healthy"], 30)
 
 
 @pytest.mark.parametrize(

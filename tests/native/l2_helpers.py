@@ -159,14 +159,15 @@ class _Engine:
         )
         self.ctx.register(model, 1)
 
-    def key(self, request_id: str, worker_id: int | None = 0) -> Any:
+    def key(self, request_id: str, worker_id: int | None = 0, first_token: int = 10) -> Any:
+        """The key of a NUM_TOKENS prompt (``first_token`` picks which one)."""
         from lmcache.v1.multiprocess import protocol as P
 
         return P.IPCCacheServerKey(
             model_name=self.model,
             world_size=1,
             worker_id=worker_id,
-            token_ids=list(range(10, 10 + NUM_TOKENS)),
+            token_ids=list(range(first_token, first_token + NUM_TOKENS)),
             start=0,
             end=NUM_TOKENS,
             request_id=request_id,
@@ -232,3 +233,6 @@ class Helpers:
     wait_until = staticmethod(wait_until)
     Recorder = Recorder
     cross_server_round_trip = staticmethod(cross_server_round_trip)
+    Engine = _Engine
+    kv_cache = staticmethod(_kv_cache)
+    BLOCK_IDS = list(range(1, 1 + NUM_TOKENS // BLOCK))  # the blocks of one prompt

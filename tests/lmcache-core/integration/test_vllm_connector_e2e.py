@@ -366,7 +366,9 @@ def test_chunk_size_must_be_a_multiple_of_the_block_size(server):
 
 
 def test_store_failure_when_l1_is_full_does_not_break_the_request(lmcache_server, engines):
-    srv = lmcache_server("--l1-size-gb", "0.0001")  # ~100 KiB: smaller than one request
+    # ~210 KiB: one 128 KiB chunk fits (a layout whose chunk does not is refused at
+    # registration), the request's four do not
+    srv = lmcache_server("--l1-size-gb", "0.0002")
     e = engines(port=srv.port, num_layers=8)
     e.add_request("big", tokens(1100, seed=33))
     e.run()

@@ -438,8 +438,9 @@ def test_registration_is_idempotent(srv, mp):
 def test_store_larger_than_l1_is_false(lmcache_server, mp):
     srv = lmcache_server("--l1-size-gb", "0.001", "--l1-init-size-gb", "0")
     model = _model()
-    # one chunk is 2*4*256*16*64*2 bytes = 4 MiB > 1 MiB of L1
-    kv = mp.make_kv(num_layers=4, heads=16, head_size=64)
+    # one chunk is 2*3*256*4*64*2 bytes = 768 KiB: it fits the ~1 MiB L1, the request's two
+    # do not (a layout whose single chunk exceeds L1 is refused at registration)
+    kv = mp.make_kv(num_layers=3, heads=4, head_size=64)
     c, ctx = mp.worker(srv.rpc_url, kv, model=model)
     try:
         before = mp.metric(srv, "lmcache_mp_l1_allocation_failure_chunks_total")

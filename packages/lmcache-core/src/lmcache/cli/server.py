@@ -62,6 +62,7 @@ def build_configs(args: argparse.Namespace):
         worker_reap_timeout_seconds=args.worker_reap_timeout_seconds,
         worker_registration_grace_seconds=args.worker_registration_grace_seconds,
         session_ttl_seconds=args.session_ttl_seconds,
+        max_sessions=args.max_sessions,
         l1_write_ttl_seconds=float(args.l1_write_ttl_seconds),
         retrieve_lease_seconds=args.retrieve_lease_seconds,
         separate_object_groups=args.separate_object_groups,

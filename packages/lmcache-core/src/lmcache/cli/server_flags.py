@@ -218,6 +218,13 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         help="drop a request's session this long after its last use",
     )
     g.add_argument(
+        "--max-sessions",
+        type=int,
+        default=10000,
+        help="keep at most this many request sessions; a new one beyond it ends the least "
+        "recently used and counts it in lmcache_mp_sessions_evicted_total (0 = no cap)",
+    )
+    g.add_argument(
         "--worker-registration-grace-seconds",
         type=float,
         default=3600.0,
@@ -455,6 +462,10 @@ def validate_args(args: argparse.Namespace) -> None:
         raise CLIError(
             f"--shm-name {shm_name!r} is not a valid shared-memory name: use a plain name "
             "without '/' (one leading '/' is allowed) or NUL, e.g. --shm-name lmcache"
+        )
+    if args.max_sessions < 0:
+        raise CLIError(
+            f"--max-sessions must be >= 0 (got {args.max_sessions}); 0 turns the cap off"
         )
     if args.session_ttl_seconds == 0:
         raise CLIError("--session-ttl-seconds must be positive (got 0)")

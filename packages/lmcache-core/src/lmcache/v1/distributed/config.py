@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -358,6 +359,27 @@ _L1_EXTRA = {
 }
 
 
+def check_l1_size_gb(size_gb: Any, flag: str) -> None:
+    """An L1 size must be a positive, finite number of GiB this machine can map. A size
+    above the memory available now only warns (at start-up): a lazy L1 commits memory as it
+    fills."""
+    from lmcache.v1.distributed.l1_memory import mapping_error
+
+    if not (
+        isinstance(size_gb, int | float)
+        and not isinstance(size_gb, bool)
+        and math.isfinite(size_gb)
+        and size_gb > 0
+    ):
+        raise ValueError(f"{flag} must be a positive, finite number of GiB (got {size_gb!r})")
+    error = mapping_error(int(size_gb * GiB))
+    if error is not None:
+        raise ValueError(
+            f"{flag} {size_gb:g} is too large for this machine: it cannot map that much memory "
+            f"({error}); pass a smaller {flag}"
+        )
+
+
 def _num(d: dict[str, Any], k: str, default: float, lo: float | None = None) -> float:
     v = d.get(k, default)
     if isinstance(v, bool) or not isinstance(v, (int, float)) or (lo is not None and v < lo):
@@ -480,8 +502,12 @@ def parse_args_to_storage_manager_config(args: argparse.Namespace) -> StorageMan
             policy = getattr(args, "eviction_policy_default", None)
         if size_gb is None or policy is None:
             raise ValueError("Legacy L1 configuration requires --l1-size-gb and --eviction-policy")
-        if size_gb <= 0:
-            raise ValueError(f"--l1-size-gb must be positive (got {size_gb})")
+        check_l1_size_gb(size_gb, "--l1-size-gb")
+        init_gb = getattr(args, "l1_init_size_gb", 20)
+        if not (isinstance(init_gb, int | float) and math.isfinite(init_gb) and init_gb >= 0):
+            raise ValueError(
+                f"--l1-init-size-gb must be a finite number of GiB >= 0 (got {init_gb!r})"
+            )
         align = int(getattr(args, "l1_align_bytes", 4096))
         if align <= 0 or align & (align - 1):
             raise ValueError(f"--l1-align-bytes must be a power of two (got {align})")
@@ -495,7 +521,7 @@ def parse_args_to_storage_manager_config(args: argparse.Namespace) -> StorageMan
         mem = L1MemoryManagerConfig(
             size_in_bytes=int(size_gb * GiB),
             use_lazy=bool(getattr(args, "l1_use_lazy", True)),
-            init_size_in_bytes=int(getattr(args, "l1_init_size_gb", 20) * GiB),
+            init_size_in_bytes=int(init_gb * GiB),
             align_bytes=align,
             shm_name=shm_name,
             use_hugepages=use_hugepages,

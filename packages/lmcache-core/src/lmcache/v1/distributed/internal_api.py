@@ -31,13 +31,20 @@ class L2StoreResult(int):
     """Store outcome as an int: bytes written on success, -1 on failure.
 
     A successful zero-byte store is the int 0, which is falsy: use ``is_successful()``.
+    A failure may say why in ``error`` (logged by the store controller).
     """
 
-    def __new__(cls, success: bool = True, bytes_transferred: int = 0) -> L2StoreResult:
+    error: str | None
+
+    def __new__(
+        cls, success: bool = True, bytes_transferred: int = 0, error: str | None = None
+    ) -> L2StoreResult:
         bytes_transferred = int(bytes_transferred)
         if bytes_transferred < 0:
             raise ValueError(f"bytes_transferred must be >= 0, got {bytes_transferred}")
-        return super().__new__(cls, bytes_transferred if success else -1)
+        self = super().__new__(cls, bytes_transferred if success else -1)
+        self.error = None if success else error
+        return self
 
     def is_successful(self) -> bool:
         return int(self) >= 0
@@ -48,7 +55,7 @@ class L2StoreResult(int):
     def __repr__(self) -> str:
         if self.is_successful():
             return f"L2StoreResult(success=True, bytes={int(self)})"
-        return "L2StoreResult(success=False)"
+        return f"L2StoreResult(success=False, error={self.error!r})"
 
     @classmethod
     def normalise(cls, value: Any, objects: Sequence[Any] = ()) -> tuple[L2StoreResult, bool]:

@@ -200,11 +200,13 @@ class _Arena:
         if self._mm is None and use_hugepages:
             self._mm = self._open_hugepages(size)
         if self._mm is None:
-            # NORESERVE: a lazy L1 larger than free RAM only commits what it touches, so it
-            # must start (with a warning) instead of failing with ENOMEM.
-            self._mm = mmap.mmap(
-                -1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE
-            )
+            try:
+                self._mm = _map_anonymous(size)
+            except OSError as exc:
+                raise MemoryError(
+                    f"cannot map an L1 pool of {size / 2**30:.2f} GiB ({exc.strerror}); "
+                    "lower --l1-size-gb"
+                ) from exc
         self.tensor = torch.frombuffer(self._mm, dtype=torch.uint8)
         self.ptr = self.tensor.data_ptr()
 
@@ -303,6 +305,23 @@ class _Arena:
             with _live_lock:
                 _live_shm_names.discard(self.shm_name)
             self._shm_path = ""
+
+
+def _map_anonymous(size: int) -> mmap.mmap:
+    # NORESERVE: a lazy L1 larger than free RAM only commits what it touches, so it must
+    # start (with a warning) instead of failing with ENOMEM.
+    return mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE)
+
+
+def mapping_error(size: int) -> str | None:
+    """Why this machine cannot map an L1 pool of ``size`` bytes (its address space or the
+    kernel's overcommit policy), or None when it can. Maps nothing for long: no page is
+    touched and the mapping is closed at once."""
+    try:
+        _map_anonymous(size).close()
+    except (OSError, OverflowError, ValueError) as exc:
+        return getattr(exc, "strerror", None) or str(exc)
+    return None
 
 
 def _available_memory_bytes() -> int | None:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lmcache.lmcache_native import Bitmap, fold_grouped, unfold_grouped
-from lmcache.utils import init_logger
+from lmcache.utils import RateLimitedLog, init_logger
 from lmcache.v1.distributed.adapter_registry import AdapterRegistry, AdapterSlot, submit_lookup
 from lmcache.v1.distributed.api import (
     LockMode,
@@ -34,11 +34,14 @@ from lmcache.v1.distributed.api import (
     PrefetchTaskSpec,
 )
 from lmcache.v1.distributed.internal_api import L1Error
+from lmcache.v1.distributed.l2_adapters.health import failure_cause
 from lmcache.v1.distributed.storage_policies import PrefetchPolicy
 from lmcache.v1.memory_management import MemoryObj
 from lmcache.v1.platform.event_notifier import consume_fd, create_event_notifier
 
 logger = init_logger(__name__)
+# Failed loads of one adapter: the first at once, then one line (with a count) per 30 s.
+_failure_log = RateLimitedLog(logger, interval=30.0)
 
 __all__ = ["PrefetchController"]
 
@@ -717,6 +720,15 @@ class _RequestRun:
         if bad:
             l1.finish_write_and_delete([self.key(c) for c in bad], tag)
             self.ctl.failed_keys_by.update(("not_found", self.key(c).model_name) for c in bad)
+            _failure_log.warning(
+                ("load", idx),
+                "L2 load of %d of %d keys from adapter #%d (%s) failed (counted as misses): %s",
+                len(bad),
+                len(cells),
+                idx,
+                slot.type_name,
+                failure_cause(slot.adapter),
+            )
         l1.unpin_objects(buffers)
         slot.adapter.submit_unlock(keys)
         self.ctl.stats["loaded_keys"] += len(ok)

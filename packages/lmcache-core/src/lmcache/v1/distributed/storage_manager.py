@@ -38,6 +38,7 @@ from lmcache.v1.distributed.l2_adapters.config import (
     get_type_name_for_config,
 )
 from lmcache.v1.distributed.l2_adapters.factory import create_l2_adapter_from_registry
+from lmcache.v1.distributed.l2_adapters.health import adapter_health
 from lmcache.v1.distributed.l2_adapters.serde_wrapper import (
     SerdeL2AdapterWrapper,
     create_l2_serde,
@@ -371,6 +372,52 @@ class StorageManager:
         return all(l1.memcheck() for l1 in self.l1_managers)
 
     def report_status(self) -> dict[str, Any]:
+        """0.5.6's shape: per-L1 parts keyed by the L1's tag, plus the single-L1 names
+        (``l1_manager``...) when there is one L1. ``l1`` is ours (the first L1, always)."""
+        status = self._health_parts()
+        tags = [m.tag for m in self.l1_managers]
+        l1 = dict(zip(tags, (m.report_status() for m in self.l1_managers), strict=True))
+        used = sum(int(st["memory_used_bytes"]) for st in l1.values())
+        total = sum(int(st["memory_total_bytes"]) for st in l1.values())
+        status.update(
+            {
+                "l1_managers": l1,
+                "prefetch_controller": self.prefetch_controller.report_status()
+                if self.prefetch_controller
+                else {},
+                "num_l2_adapters": len(status["l2_adapters"]),
+                "l1_usage": [used, total],
+                "l1_capacity_bytes_by_backend": {
+                    "dram": sum(int(st["memory_configured_bytes"]) for st in l1.values())
+                },
+                "l1": next(iter(l1.values()), {}),
+            }
+        )
+        if len(tags) == 1:
+            status["l1_manager"] = l1[tags[0]]
+            status["store_controller"] = status["store_controllers"].get(tags[0], {})
+            status["l1_eviction_controller"] = status["l1_eviction_controllers"].get(tags[0], {})
+        parts = [
+            *l1.values(),
+            *status["l1_eviction_controllers"].values(),
+            *status["store_controllers"].values(),
+            status["l2_eviction_controller"],
+        ]
+        status["is_healthy"] = all(p.get("is_healthy", True) for p in parts) and all(
+            a["is_healthy"] for a in status["l2_adapters"]
+        )
+        status["unhealthy_reasons"] = unhealthy_reasons(status)
+        return status
+
+    def health_reasons(self) -> list[str]:
+        """Why the storage engine is unhealthy (empty when it is not), without the L1 parts
+        of ``report_status`` (whose memory check walks every object): L2 adapters and
+        controller threads. For frequent health checks."""
+        return unhealthy_reasons(self._health_parts())
+
+    def _health_parts(self) -> dict[str, Any]:
+        """The parts of the status that carry health: the L2 adapters, the eviction and
+        store controllers (restarting an eviction thread that died)."""
         for ctl in self.l1_eviction_controllers:
             ctl.ensure_running()
         if self.l2_eviction_controller is not None:
@@ -385,6 +432,10 @@ class StorageManager:
             suspended = bool(
                 self.prefetch_controller and self.prefetch_controller.is_suspended(s.index)
             )
+            health = adapter_health(st)
+            if suspended:
+                health["healthy"] = False
+                health["last_error"] = health["last_error"] or "suspended from prefetch"
             adapters.append(
                 {
                     "index": s.index,
@@ -395,51 +446,23 @@ class StorageManager:
                     "usage_bytes": usage.total_bytes_used,
                     "capacity_bytes": usage.total_capacity_bytes,
                     "status": st,
-                    "is_healthy": bool(st.get("is_healthy", False)) and not suspended,
+                    "health": health,
+                    "is_healthy": health["healthy"],
                 }
             )
-        # 0.5.6's shape: per-L1 parts keyed by the L1's tag, plus the single-L1 names
-        # (``l1_manager``...) when there is one L1. ``l1`` is ours (the first L1, always).
         tags = [m.tag for m in self.l1_managers]
-        l1 = dict(zip(tags, (m.report_status() for m in self.l1_managers), strict=True))
-        evictions = dict(
-            zip(tags, (c.report_status() for c in self.l1_eviction_controllers), strict=False)
-        )
-        stores = dict(zip(tags, (c.report_status() for c in self.store_controllers), strict=False))
-        used = sum(int(st["memory_used_bytes"]) for st in l1.values())
-        total = sum(int(st["memory_total_bytes"]) for st in l1.values())
-        status: dict[str, Any] = {
-            "l1_managers": l1,
-            "store_controllers": stores,
-            "l1_eviction_controllers": evictions,
-            "prefetch_controller": self.prefetch_controller.report_status()
-            if self.prefetch_controller
-            else {},
+        return {
+            "l1_eviction_controllers": dict(
+                zip(tags, (c.report_status() for c in self.l1_eviction_controllers), strict=False)
+            ),
+            "store_controllers": dict(
+                zip(tags, (c.report_status() for c in self.store_controllers), strict=False)
+            ),
             "l2_eviction_controller": self.l2_eviction_controller.report_status()
             if self.l2_eviction_controller
             else {},
             "l2_adapters": adapters,
-            "num_l2_adapters": len(adapters),
-            "l1_usage": [used, total],
-            "l1_capacity_bytes_by_backend": {
-                "dram": sum(int(st["memory_configured_bytes"]) for st in l1.values())
-            },
-            "l1": next(iter(l1.values()), {}),
         }
-        if len(tags) == 1:
-            status["l1_manager"] = l1[tags[0]]
-            status["store_controller"] = stores.get(tags[0], {})
-            status["l1_eviction_controller"] = evictions.get(tags[0], {})
-        parts = [
-            *l1.values(),
-            *evictions.values(),
-            *stores.values(),
-            status["l2_eviction_controller"],
-        ]
-        status["is_healthy"] = all(p.get("is_healthy", True) for p in parts) and all(
-            a["is_healthy"] for a in adapters
-        )
-        return status
 
     def close(self) -> None:
         if self._closed:
@@ -461,3 +484,22 @@ class StorageManager:
             ctl.stop()
         for l1 in self.l1_managers:
             l1.close()
+
+
+def unhealthy_reasons(status: dict[str, Any]) -> list[str]:
+    """One line per unhealthy part of a ``report_status()``: each L2 adapter with its last
+    error, each stopped controller."""
+    reasons = [
+        f"L2 adapter #{a['index']} ({a['type']}) is unhealthy: "
+        f"{a['health'].get('last_error') or 'no error reported'}"
+        for a in status.get("l2_adapters", [])
+        if not a["is_healthy"]
+    ]
+    for name in ("l1_managers", "l1_eviction_controllers", "store_controllers"):
+        for tag, part in (status.get(name) or {}).items():
+            if not part.get("is_healthy", True):
+                reasons.append(f"{name}[{tag!r}] is unhealthy")
+    l2_ev = status.get("l2_eviction_controller") or {}
+    if not l2_ev.get("is_healthy", True):
+        reasons.append("l2_eviction_controller is unhealthy")
+    return reasons

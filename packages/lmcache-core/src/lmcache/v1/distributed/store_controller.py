@@ -17,15 +17,18 @@ from collections import defaultdict, deque
 from dataclasses import dataclass
 from typing import Any
 
-from lmcache.utils import init_logger
+from lmcache.utils import RateLimitedLog, init_logger
 from lmcache.v1.distributed.adapter_registry import AdapterRegistry, AdapterSlot
 from lmcache.v1.distributed.api import ObjectKey
 from lmcache.v1.distributed.internal_api import L1Error, L1ManagerListener, L2StoreResult
+from lmcache.v1.distributed.l2_adapters.health import failure_cause
 from lmcache.v1.distributed.storage_policies import StorePolicy
 from lmcache.v1.memory_management import MemoryObj
 from lmcache.v1.platform.event_notifier import create_event_notifier
 
 logger = init_logger(__name__)
+# Failed stores of one adapter: the first at once, then one line (with a count) per 30 s.
+_failure_log = RateLimitedLog(logger, interval=30.0)
 
 __all__ = ["StoreController"]
 
@@ -212,12 +215,14 @@ class StoreController(L1ManagerListener):
                 self._delete_after.update(deletions)
         else:
             self.stats["failed_tasks"] += 1
-            logger.warning(
-                "L2 store task %d on adapter #%d (%s) failed for %d keys (not retried)",
+            _failure_log.warning(
+                ("store", task.adapter_index),
+                "L2 store task %d on adapter #%d (%s) failed for %d keys (not retried): %s",
                 task.task_id,
                 task.adapter_index,
                 name,
                 len(task.keys),
+                getattr(result, "error", None) or failure_cause(slot.adapter if slot else None),
             )
         self._run_deferred_deletions(task.keys)
 
@@ -319,12 +324,15 @@ class StoreController(L1ManagerListener):
                     self._key_refs[k] += 1
             try:
                 task_id = slot.adapter.submit_store_task(ok_keys, objs)
-            except Exception:
-                logger.exception(
-                    "L2 adapter #%d (%s) submit_store_task raised; %d keys not stored",
+            except Exception as exc:
+                _failure_log.warning(
+                    ("submit", slot.index),
+                    "L2 adapter #%d (%s) submit_store_task raised; %d keys not stored: %s: %s",
                     slot.index,
                     slot.type_name,
                     len(ok_keys),
+                    type(exc).__name__,
+                    exc,
                 )
                 self.stats["failed_tasks"] += 1
                 self._release(ok_keys, objs)

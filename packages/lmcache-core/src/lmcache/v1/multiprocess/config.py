@@ -20,6 +20,8 @@ class MPServerConfig:
     worker_reap_timeout_seconds: float = 120.0
     worker_registration_grace_seconds: float = 3600.0
     session_ttl_seconds: float = 600.0
+    # At most this many sessions; a new one beyond it ends the least recently used (0 = no cap).
+    max_sessions: int = 10000
     l1_write_ttl_seconds: float = 600.0
     # A worker's SHM read stays locked this long after prepare_retrieve even if the worker is
     # dropped meanwhile, so a worker whose copy ends within it need not await commit_retrieve.

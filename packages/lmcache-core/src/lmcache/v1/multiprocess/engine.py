@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from lmcache.utils import init_logger
+from lmcache.utils import RateLimitedLog, init_logger
 from lmcache.v1.distributed.api import ObjectKey
 from lmcache.v1.multiprocess import payload_codec as codec
 from lmcache.v1.multiprocess import protocol as P
@@ -29,9 +29,15 @@ from lmcache.v1.multiprocess.metrics import ServerMetrics
 from lmcache.v1.multiprocess.protocol import ErrorCode, RequestError
 from lmcache.v1.multiprocess.sessions import LookupJob, Session, SessionTable
 from lmcache.v1.multiprocess.storage_bridge import StorageBridge
-from lmcache.v1.multiprocess.token_hasher import PrefixHashMemo, compute_kv_rank
+from lmcache.v1.multiprocess.token_hasher import (
+    PrefixHashMemo,
+    compute_kv_rank,
+    tokens_to_be_bytes,
+)
 
 logger = init_logger(__name__)
+# Conditions a busy server may hit many times a second (a full L1, a full session table).
+_limited = RateLimitedLog(logger, interval=10.0)
 
 ENGINE_DRIVEN = "engine_driven"
 LMCACHE_DRIVEN = "lmcache_driven"
@@ -207,7 +213,9 @@ class CacheEngine:
         self.shm_name = shm_name
         self.shm_pool_size = shm_pool_size
         self.shm_disabled_reason = shm_disabled_reason
-        self.sessions = SessionTable(config.session_ttl_seconds)
+        self.sessions = SessionTable(
+            config.session_ttl_seconds, config.max_sessions, self._evict_sessions
+        )
         self.hash_memo = PrefixHashMemo(self.cs)
         self.layouts: dict[tuple[str, int], Layout] = {}
         self.instances: dict[int, Instance] = {}
@@ -341,6 +349,21 @@ class CacheEngine:
                 f"{mode} transfers are not enabled on this server; {MODE_FIX}",
             )
 
+    def _check_chunk_fits(self, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        """A layout whose one chunk does not fit in L1 could never be stored: refuse it."""
+        nbytes = dtype.itemsize
+        for n in shape:
+            nbytes *= n
+        total = self.storage.memory_usage()[1]
+        if nbytes > total:
+            raise RequestError(
+                ErrorCode.INVALID_ARGUMENT,
+                f"one chunk of this KV layout takes {nbytes} bytes (shape {list(shape)}, "
+                f"{_dtype_name(dtype)}), more than the whole L1 ({total} bytes): check the "
+                f"registered layout, or start the server with --l1-size-gb of at least "
+                f"{-(-nbytes // (1 << 30))} (or a smaller --chunk-size)",
+            )
+
     def _layout_acquire(
         self, key: tuple[str, int], shape: tuple[int, ...], dtype: torch.dtype
     ) -> None:
@@ -384,6 +407,7 @@ class CacheEngine:
             shape = (2, payload.num_layers, slots, payload.hidden_dim_size)
         if min(shape) <= 0 or not 1 <= payload.world_size <= 255:
             raise RequestError(ErrorCode.INVALID_ARGUMENT, f"bad engine-driven layout {shape}")
+        self._check_chunk_fits(shape, dtype)
         lkey = (payload.model_name, payload.world_size)
         strategy = "shm" if self.shm_name else "copy"
         self._replace_instance(
@@ -475,6 +499,12 @@ class CacheEngine:
                 f"chunk_size {self.cs} is not a multiple of the block size {geo.block_size}",
             )
         shape = geo.chunk_shape(self.cs)
+        try:
+            self._check_chunk_fits(shape, geo.dtype)
+        except RequestError:
+            _close_cache_context(cache_context)
+            _close_all(wrappers)
+            raise
         lkey = (model_name, world_size)
         self._replace_instance(
             Instance(
@@ -612,6 +642,13 @@ class CacheEngine:
                 f"num_kv_readers must be >= 1 (got {key.num_kv_readers}); the client must set it on lookup keys",
             )
         self._validate(key, aligned=False)
+        lkey = (key.model_name, key.world_size)
+        lay = self.layouts.get(lkey)
+        if lay is None:  # nothing hashes the tokens then, but they must be valid all the same
+            try:
+                tokens_to_be_bytes(P.token_prefix(key, key.end))
+            except ValueError as exc:
+                raise RequestError(ErrorCode.INVALID_ARGUMENT, str(exc)) from exc
         session = self.sessions.touch(key.request_id)
         who = {"cache_salt": key.cache_salt, "model_name": key.model_name}
         self.metrics.inc("lmcache_mp_lookups_requests", **who)
@@ -624,8 +661,6 @@ class CacheEngine:
             old.superseded = True
             if old.is_done:
                 self._release_job_locks(old, session)
-        lkey = (key.model_name, key.world_size)
-        lay = self.layouts.get(lkey)
         if lay is None:
             self.metrics.inc(
                 "lmcache_mp_lookup_early_exit_requests", reason="no_gpu_context", **who
@@ -640,7 +675,11 @@ class CacheEngine:
                 )
             job.complete(0)
             return
-        hashes = self._hashes(session, key, key.end)
+        try:
+            hashes = self._hashes(session, key, key.end)
+        except RequestError:
+            job.complete(0)  # a query of this request answers 0 instead of pending forever
+            raise
         last = len(hashes)
         self.metrics.inc("lmcache_mp_lookup_requested_tokens", max(0, key.end - key.start), **who)
         if last <= first:
@@ -846,6 +885,19 @@ class CacheEngine:
         if inflight == 0:
             self._free_range(session, 0, 1 << 62)
 
+    def _evict_sessions(self, sessions: list[Session]) -> None:
+        """Sessions pushed out of a full table (``--max-sessions``) end as if their TTL ran out."""
+        self.metrics.inc("lmcache_mp_sessions_evicted", len(sessions))
+        _limited.warning(
+            "sessions_evicted",
+            "session table full (--max-sessions %d): ended the least recently used session %r; "
+            "clients must call end_session for finished requests, or raise --max-sessions",
+            self.config.max_sessions,
+            sessions[0].request_id,
+        )
+        for session in sessions:
+            self._close_session(session)
+
     def _retrieve_done(self, session: Session) -> None:
         with session.lock:
             session.inflight_retrieves -= 1
@@ -886,7 +938,8 @@ class CacheEngine:
                 model_name=inst.model_name,
             )
             used, total = self.storage.memory_usage()
-            _rate_limited_warning(
+            _limited.warning(
+                "l1_full",
                 "L1 is full: %d chunk(s) of a store were not cached (L1 %d of %d bytes used); "
                 "raise --l1-size-gb or add an L2 tier",
                 len(out.failed),
@@ -1287,8 +1340,41 @@ class CacheEngine:
             if inst is not None:
                 logger.warning("Reaped instance %d (%s): silent for too long", iid, inst.mode)
                 self.metrics.inc("lmcache_mp_reaped_instances", mode=inst.mode)
+        self._reclaim_silent_workers()
         self._release_expired_leases()
         return victims
+
+    def _reclaim_silent_workers(self) -> None:
+        """Release the staging (unfinished stores, pending SHM reads) of every worker silent
+        (no request, no ping) for ``--worker-reap-timeout-seconds``, also of one that never
+        pinged: such a worker stays registered for the whole registration grace (an hour by
+        default, for 0.5.6 clients that never ping), but a dead one must not hold L1 that
+        long. Nothing is reclaimed while reaping is off."""
+        limit = self.config.worker_reap_timeout_seconds
+        if limit <= 0:
+            return
+        cutoff = time.monotonic() - limit
+        for inst in list(self.instances.values()):
+            if inst.last_seen >= cutoff:
+                continue
+            with inst.lock:
+                if not inst.reservations and not inst.pending_reads:
+                    continue
+                reservations, inst.reservations = inst.reservations, {}
+                reads, inst.pending_reads = inst.pending_reads, {}
+            for res in reservations.values():
+                self.storage.abort_write(list(res.objs))  # never admit half-written data
+            self._release_after_lease(list(reads.values()))
+            self.metrics.inc("lmcache_mp_reclaimed_staging", len(reservations) + len(reads))
+            logger.warning(
+                "Instance %d (%s) silent for more than %.0f s: released its %d unfinished "
+                "store(s) and %d unfinished SHM read(s); it stays registered",
+                inst.instance_id,
+                inst.mode,
+                limit,
+                len(reservations),
+                len(reads),
+            )
 
     # ------------------------------------------------------------------ status
     def status(self) -> dict[str, Any]:
@@ -1303,6 +1389,7 @@ class CacheEngine:
             (gpu if inst.mode == LMCACHE_DRIVEN else non_cuda)[str(iid)] = meta
         return {
             "active_sessions": len(self.sessions),
+            "max_sessions": self.config.max_sessions,
             "active_prefetch_jobs": sum(
                 1 for s in self.sessions.all() if s.job is not None and not s.job.is_done
             ),
@@ -1460,9 +1547,6 @@ def _close_all(wrappers: list[Any]) -> None:
             pass
 
 
-_last_warning = [0.0]
-
-
 def _device(inst: Instance) -> str:
     """The device type of a worker's registered KV cache (a metric label)."""
     return inst.kv_caches[0].device.type if inst.kv_caches else HOST_DEVICE
@@ -1471,10 +1555,3 @@ def _device(inst: Instance) -> str:
 def _salt(keys: list[Any]) -> str:
     """The cache_salt of a request's keys (a metric label)."""
     return str(getattr(keys[0], "cache_salt", "") or "") if keys else ""
-
-
-def _rate_limited_warning(msg: str, *args: Any) -> None:
-    now = time.monotonic()
-    if now - _last_warning[0] >= 10.0:
-        _last_warning[0] = now
-        logger.warning(msg, *args)

@@ -75,10 +75,11 @@ def _build_routes(runtime: Any) -> FastAPI:
 
     @app.get("/healthcheck", response_model=M.HealthResponse, response_model_exclude_none=True)
     def healthcheck() -> Any:
-        if runtime.server.endpoint and runtime.server.accepting:
+        health = runtime.health()
+        if health.healthy:
             return {"status": "healthy"}
         return JSONResponse(
-            status_code=503, content={"status": "unhealthy", "reason": "server not accepting"}
+            status_code=503, content={"status": "unhealthy", "reason": health.reason}
         )
 
     @app.get("/status", response_model=M.StatusResponse)
@@ -487,8 +488,10 @@ def _salt_path(salt: str) -> str:
 def _status(runtime: Any, sm: dict[str, Any]) -> dict[str, Any]:
     engine, cfg = runtime.engine, runtime.config
     es = engine.status()
+    health = runtime.health(sm)
     return {
-        "is_healthy": bool(sm.get("is_healthy", False)) and bool(runtime.server.accepting),
+        "is_healthy": health.healthy,
+        "unhealthy_reasons": health.reasons,  # ours: one line per cause
         "engine_type": ENGINE_TYPE,
         "chunk_size": cfg.chunk_size,
         "hash_algorithm": cfg.hash_algorithm,

@@ -104,6 +104,7 @@ class ControllerStatus(_Open):
 
 class StorageManagerStatus(_Open):
     is_healthy: bool
+    unhealthy_reasons: list[str]  # ours: one line per unhealthy part
     l1_managers: dict[str, L1ManagerStatus]  # keyed by the L1's tag
     store_controllers: dict[str, ControllerStatus]
     l1_eviction_controllers: dict[str, ControllerStatus]
@@ -130,6 +131,7 @@ class WorkerLiveness(_Open):
 
 class StatusResponse(_Open):
     is_healthy: bool
+    unhealthy_reasons: list[str]  # ours: why is_healthy is false (empty when true)
     engine_type: str
     chunk_size: int
     hash_algorithm: str

@@ -99,6 +99,12 @@ _COUNTERS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
     "lmcache_mp_request_errors": ("failed requests", ("op", "code"), ()),
     "lmcache_mp_rejected_payloads": ("rejected commit payloads", ("reason",), ()),
     "lmcache_mp_reaped_instances": ("instances removed by the reaper", ("mode",), ()),
+    "lmcache_mp_sessions_evicted": ("sessions ended because the table was full", (), ()),
+    "lmcache_mp_reclaimed_staging": (
+        "unfinished stores and SHM reads of silent workers released",
+        (),
+        (),
+    ),
     "lmcache_mp_report_block_allocation": ("report_block_allocation calls", (), ()),
 }
 

@@ -16,7 +16,7 @@ from lmcache.v1.multiprocess.config import MPServerConfig
 from lmcache.v1.multiprocess.engine import L1_TAG, CacheEngine
 from lmcache.v1.multiprocess.l1_lifecycle import L1Lifecycle
 from lmcache.v1.multiprocess.metrics import ServerMetrics
-from lmcache.v1.multiprocess.server import MPCacheServer
+from lmcache.v1.multiprocess.server import MPCacheServer, max_message_bytes
 from lmcache.v1.multiprocess.storage_bridge import StorageBridge
 
 logger = init_logger(__name__)
@@ -45,6 +45,16 @@ def shm_state(storage: StorageBridge, requested: str, engine_driven: bool) -> Sh
     return ShmDecision(disabled_reason=reason)
 
 
+@dataclass
+class ServerHealth:
+    healthy: bool
+    reasons: list[str]
+
+    @property
+    def reason(self) -> str:
+        return "; ".join(self.reasons)
+
+
 class ServerRuntime:
     def __init__(
         self,
@@ -66,7 +76,7 @@ class ServerRuntime:
             shm_pool_size=shm.pool_size,
             shm_disabled_reason=shm.disabled_reason,
         )
-        self.server = MPCacheServer(self.engine)
+        self.server = MPCacheServer(self.engine, max_message_bytes(self.storage.memory_usage()[1]))
         self._fed: dict[tuple[str, Any], int] = {}  # storage totals already in the counters
         self.l1_lifecycle: L1Lifecycle | None = None
         if not config.disable_metrics and hasattr(self.storage.l1, "register_listener"):
@@ -102,6 +112,25 @@ class ServerRuntime:
             logger.exception("closing the storage manager failed")
         if self.shm.name:
             _unlink_shm(self.shm.name)
+
+    def health(self, storage_status: dict[str, Any] | None = None) -> ServerHealth:
+        """Whether the server is healthy, and why not: the one place ``/healthcheck`` and
+        ``/status`` get it from. Unhealthy while the RPC server is not serving, or while a
+        part of the storage engine is (an L2 backend that fails, with its last error).
+        ``storage_status`` reuses a ``StorageBridge.status()`` the caller already has;
+        without it only the cheap health parts of the storage engine are asked (no L1
+        memory check), so a frequent liveness probe costs the L1 nothing."""
+        reasons = []
+        if not (self.server.endpoint and self.server.accepting):
+            reasons.append("the RPC server is not serving")
+        sm = storage_status
+        if sm is None:
+            reasons.extend(self.storage.health_reasons())
+        elif "error" in sm:
+            reasons.append(f"the storage engine cannot report its status: {sm['error']}")
+        elif not sm.get("is_healthy", True):
+            reasons.extend(sm.get("unhealthy_reasons") or ["the storage engine is unhealthy"])
+        return ServerHealth(not reasons, reasons)
 
     def _refresh_gauges(self, m: ServerMetrics) -> None:
         l1 = {"backend": "dram", "l1_tag": L1_TAG}

@@ -46,10 +46,19 @@ _WAKE_ID = b"lmcache-server-loop-wake"
 # The loop's receive timeout: how often it looks at the stop flag when nothing arrives.
 _LOOP_RCVTIMEO_MS = 500
 _NO_FEATURES: frozenset[str] = frozenset()
+# Room for a request's own fields next to its largest possible payload (a whole L1 of KV).
+_MESSAGE_SLACK = 16 << 20
+
+
+def max_message_bytes(l1_total_bytes: int) -> int:
+    """The largest message a peer may send (``ZMQ_MAXMSGSIZE``): no payload larger than
+    the whole L1 can ever be stored, so a bigger one is refused before it is buffered (the
+    peer is disconnected and its DEALER reconnects; the request gets no reply)."""
+    return int(l1_total_bytes) + _MESSAGE_SLACK
 
 
 class MPCacheServer:
-    def __init__(self, engine: CacheEngine) -> None:
+    def __init__(self, engine: CacheEngine, max_message_bytes: int = 0) -> None:
         self.engine = engine
         self.config = engine.config
         self.metrics = engine.metrics
@@ -80,6 +89,7 @@ class MPCacheServer:
         self._warned_sharing = False
         self.endpoint = ""
         self.accepting = True
+        self.max_message_bytes = max_message_bytes  # 0: no limit
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> str:
@@ -87,6 +97,7 @@ class MPCacheServer:
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVTIMEO, _LOOP_RCVTIMEO_MS)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes or -1)
         wake_addr = f"inproc://lmcache-server-wake-{id(self):x}"
         sock.bind(wake_addr)
         waker = self._ctx.socket(zmq.DEALER)

@@ -2,13 +2,16 @@
 
 A ``Session`` per request_id holds the token ids and their cached chunk hashes, the
 current lookup job, the lock shares still owed per (chunk, rank) and the in-flight
-retrieve count. Its TTL counts from the last request that named it (IMPROVE).
+retrieve count. Its TTL counts from the last request that named it (IMPROVE). The table
+holds at most ``max_sessions``: a new session beyond that evicts the least recently used
+one (a client that never ends its sessions cannot grow the server without bound).
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -95,27 +98,47 @@ class Session:
 
 
 class SessionTable:
-    def __init__(self, ttl_seconds: float) -> None:
+    """Sessions by request id, least recently used first.
+
+    ``on_evict(sessions)`` is called (outside the table's lock) with the sessions a new one
+    pushed out; the caller ends them as if their TTL had run out."""
+
+    def __init__(
+        self,
+        ttl_seconds: float,
+        max_sessions: int = 0,
+        on_evict: Callable[[list[Session]], None] | None = None,
+    ) -> None:
         self.ttl = ttl_seconds
-        self._sessions: dict[str, Session] = {}
+        self.max_sessions = max_sessions  # 0 = no cap
+        self._on_evict = on_evict
+        self._sessions: OrderedDict[str, Session] = OrderedDict()
         self._lock = threading.Lock()
 
     def touch(self, request_id: str) -> Session:
         """Get or create the session and refresh its TTL."""
         now = time.monotonic()
+        evicted: list[Session] = []
         with self._lock:
             s = self._sessions.get(request_id)
             if s is None or s.ended:
                 s = Session(request_id)
                 self._sessions[request_id] = s
+                cap = self.max_sessions
+                while cap > 0 and len(self._sessions) > cap:
+                    evicted.append(self._sessions.popitem(last=False)[1])
+            self._sessions.move_to_end(request_id)
             s.last_used = now
-            return s
+        if evicted and self._on_evict is not None:
+            self._on_evict(evicted)
+        return s
 
     def get(self, request_id: str, *, refresh: bool = True) -> Session | None:
         with self._lock:
             s = self._sessions.get(request_id)
             if s is not None and refresh:
                 s.last_used = time.monotonic()
+                self._sessions.move_to_end(request_id)
             return s
 
     def pop(self, request_id: str) -> Session | None:
@@ -124,8 +147,12 @@ class SessionTable:
 
     def expired(self) -> list[Session]:
         cutoff = time.monotonic() - self.ttl
+        gone = []
         with self._lock:
-            gone = [s for s in self._sessions.values() if s.last_used < cutoff]
+            for s in self._sessions.values():  # least recently used first
+                if s.last_used >= cutoff:
+                    break
+                gone.append(s)
             for s in gone:
                 del self._sessions[s.request_id]
         return gone

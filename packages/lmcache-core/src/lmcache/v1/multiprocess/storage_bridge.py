@@ -164,6 +164,13 @@ class StorageBridge:
         except Exception as exc:
             return {"error": f"{type(exc).__name__}: {exc}"}
 
+    def health_reasons(self) -> list[str]:
+        """Why the storage engine is unhealthy (empty when it is not); cheaper than status()."""
+        try:
+            return list(self.sm.health_reasons())
+        except Exception as exc:
+            return [f"the storage engine cannot report its health: {type(exc).__name__}: {exc}"]
+
     def close(self) -> None:
         self.sm.close()
 

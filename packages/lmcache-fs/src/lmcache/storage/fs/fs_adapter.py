@@ -22,14 +22,17 @@ from lmcache.storage.fs._files import (
     write_new_file,
 )
 from lmcache.storage.fs.config import FSL2AdapterConfig, check_relative_tmp_dir
-from lmcache.utils import init_logger
+from lmcache.utils import RateLimitedLog, init_logger
 from lmcache.v1.distributed.api import ObjectKey
 from lmcache.v1.distributed.internal_api import L2StoreResult
 from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface, L2TaskId
+from lmcache.v1.distributed.l2_adapters.health import HealthTracker
 from lmcache.v1.distributed.l2_adapters.key_codec import object_key_to_filename
 from lmcache.v1.platform.event_notifier import create_event_notifier
 
 logger = init_logger(__name__)
+# Per-file errors repeat for every key while a disk is full: one line per kind every 30 s.
+_file_errors = RateLimitedLog(logger, interval=30.0)
 
 LOCK_TTL_SECONDS = 300
 DELETE_TIMEOUT_SECONDS = 30
@@ -43,12 +46,15 @@ class _Batch:
         self.remaining = n
         self.ok = [False] * n
         self.new_bytes = [0] * n
+        self.error: str | None = None  # the first failure's cause
         self.lock = threading.Lock()
 
-    def done(self, i: int, ok: bool, new_bytes: int = 0) -> bool:
+    def done(self, i: int, ok: bool, new_bytes: int = 0, error: str | None = None) -> bool:
         with self.lock:
             self.ok[i] = ok
             self.new_bytes[i] = new_bytes
+            if error and self.error is None:
+                self.error = error
             self.remaining -= 1
             return self.remaining == 0
 
@@ -72,6 +78,7 @@ class FSL2Adapter(L2AdapterInterface):
         os.makedirs(self._tmp_dir, exist_ok=True)
         self._block = fs_block_size(self._base)
         self._odirect_warned = False
+        self._health = HealthTracker(f"fs at {self._base}")
 
         self._pool = ThreadPoolExecutor(config.num_workers, thread_name_prefix="lmc-fs")
         self._delete_pool = ThreadPoolExecutor(
@@ -184,7 +191,7 @@ class FSL2Adapter(L2AdapterInterface):
     def _store_one(
         self, tid: L2TaskId, keys: list[ObjectKey], batch: _Batch, i: int, key: ObjectKey, obj: Any
     ) -> None:
-        ok, written = False, 0
+        ok, written, error = False, 0, None
         try:
             data = obj.byte_array
             written = write_new_file(
@@ -196,8 +203,9 @@ class FSL2Adapter(L2AdapterInterface):
             )
             ok = True
         except Exception as exc:
-            logger.warning("fs: store of %s failed: %s", object_key_to_filename(key), exc)
-        if batch.done(i, ok, written):
+            error = f"{object_key_to_filename(key)}: {exc}"
+            _file_errors.warning(("store", self._base), "fs: store of %s failed", error)
+        if batch.done(i, ok, written, error):
             self._finish_store(tid, keys, batch)
 
     def _finish_store(self, tid: L2TaskId, keys: list[ObjectKey], batch: _Batch) -> None:
@@ -210,7 +218,12 @@ class FSL2Adapter(L2AdapterInterface):
                     new.append((key, n))
         if new:
             self._notify_keys_stored([k for k, _ in new], [n for _, n in new])
-        result = L2StoreResult(all(batch.ok), sum(n for _, n in new))
+        if keys:
+            if batch.error is None:
+                self._health.success("store")
+            else:
+                self._health.failure("store", batch.error)
+        result = L2StoreResult(all(batch.ok), sum(n for _, n in new), error=batch.error)
         with self._lock:
             self._store_results[tid] = result
         self._store_notifier.notify()
@@ -289,7 +302,7 @@ class FSL2Adapter(L2AdapterInterface):
     def _load_one(
         self, tid: L2TaskId, keys: list[ObjectKey], batch: _Batch, i: int, key: ObjectKey, obj: Any
     ) -> None:
-        ok = False
+        ok, error = False, None
         try:
             dest = obj.byte_array
             ok = read_file_into(
@@ -299,9 +312,14 @@ class FSL2Adapter(L2AdapterInterface):
                 read_ahead=self._cfg.read_ahead_size,
             )
         except Exception as exc:
-            logger.warning("fs: load of %s failed: %s", object_key_to_filename(key), exc)
-        if not batch.done(i, ok):
+            error = f"{object_key_to_filename(key)}: {exc}"
+            _file_errors.warning(("load", self._base), "fs: load of %s failed", error)
+        if not batch.done(i, ok, error=error):
             return
+        if batch.error is None:
+            self._health.success("load")
+        else:
+            self._health.failure("load", batch.error)
         bm = Bitmap(len(keys))
         loaded = []
         for j, good in enumerate(batch.ok):
@@ -370,8 +388,12 @@ class FSL2Adapter(L2AdapterInterface):
         with self._lock:
             locked = sum(1 for lk in self._locks.values() if lk.is_locked())
             known = len(self._sizes)
+        health = self._health.status()
+        healthy = health["healthy"] and not self._closed and self._scan.error is None
         return {
-            "is_healthy": not self._closed and self._scan.error is None,
+            "is_healthy": healthy,
+            **health,
+            "healthy": healthy,
             "type_name": "fs",
             "base_path": self._base,
             "keys": known,

@@ -54,6 +54,7 @@ class FSNativeL2Adapter(NativeConnectorL2Adapter):
             type_name="fs_native",
             extra_status=self._status,
             pad_buffers_to_alignment=config.use_odirect,
+            endpoint=base,
         )
         tmp_dir = os.path.join(base, config.relative_tmp_dir) if config.relative_tmp_dir else base
         self._scan_thread = threading.Thread(

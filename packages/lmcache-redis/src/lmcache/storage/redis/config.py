@@ -35,6 +35,7 @@ class RESPL2AdapterConfig(L2AdapterConfigBase):
     db: int = 0
     pipeline_depth: int = 16
     socket_timeout_s: float = 10.0
+    health_check_interval_s: float = 5.0
 
     known_fields = frozenset(
         {
@@ -47,6 +48,7 @@ class RESPL2AdapterConfig(L2AdapterConfigBase):
             "db",
             "pipeline_depth",
             "socket_timeout_s",
+            "health_check_interval_s",
         }
     )
 
@@ -74,6 +76,12 @@ class RESPL2AdapterConfig(L2AdapterConfigBase):
         timeout = d.get("socket_timeout_s", 10.0)
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
             raise ValueError("socket_timeout_s must be a positive number")
+        probe = d.get("health_check_interval_s", 5.0)
+        if isinstance(probe, bool) or not isinstance(probe, (int, float)) or not probe >= 0:
+            raise ValueError(
+                f"health_check_interval_s must be a number of seconds >= 0 (got {probe!r}); "
+                "0 turns the idle health check off"
+            )
         return cls(
             host=host,
             port=port,
@@ -84,6 +92,7 @@ class RESPL2AdapterConfig(L2AdapterConfigBase):
             db=db,
             pipeline_depth=_positive_int(d.get("pipeline_depth", 16), "pipeline_depth"),
             socket_timeout_s=float(timeout),
+            health_check_interval_s=float(probe),
         )
 
     @classmethod
@@ -99,6 +108,8 @@ class RESPL2AdapterConfig(L2AdapterConfigBase):
             "  db               (int, 0)      database index (SELECT)\n"
             "  pipeline_depth   (int, 16)     commands per round trip\n"
             "  socket_timeout_s (float, 10)   connect and I/O timeout\n"
+            "  health_check_interval_s (float, 5)  check the server this often while idle\n"
+            "                   (0 = off); /status and /healthcheck show its health\n"
             "  max_capacity_gb  (float, 0)    capacity for usage and L2 eviction (0 = unlimited)\n"
         )
 

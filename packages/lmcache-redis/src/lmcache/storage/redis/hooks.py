@@ -38,6 +38,8 @@ def create_resp_adapter(config: RESPL2AdapterConfig, l1_memory_desc: Any = None)
         max_capacity_gb=config.max_capacity_gb,
         type_name="resp",
         extra_status={"host": config.host, "port": config.port, "db": config.db},
+        endpoint=f"{config.host}:{config.port}",
+        health_probe_interval_s=config.health_check_interval_s,
     )
 
 

@@ -23,6 +23,7 @@ from lmcache.v1.distributed.l2_adapters.config import (
     register_l2_adapter_type,
 )
 from lmcache.v1.distributed.l2_adapters.factory import register_l2_adapter_factory
+from lmcache.v1.distributed.l2_adapters.health import HealthTracker
 from lmcache.v1.distributed.l2_adapters.utils import KeyLockTable, OnceResults, TaskIds
 from lmcache.v1.memory_management import MemoryObj
 from lmcache.v1.platform.event_notifier import create_event_notifier
@@ -77,6 +78,7 @@ class MockL2Adapter(L2AdapterInterface):
         self._lookup_done = OnceResults()
         self._load_done = OnceResults()
         self._jobs: queue.Queue[Any] = queue.Queue()
+        self._health = HealthTracker("mock")
         self._closed = False
         self._worker = threading.Thread(target=self._run, name="mock-l2-adapter", daemon=True)
         self._worker.start()
@@ -94,22 +96,26 @@ class MockL2Adapter(L2AdapterInterface):
     # worker
     def _run(self) -> None:
         while True:
-            job = self._jobs.get()
-            if job is None:
+            item = self._jobs.get()
+            if item is None:
                 return
+            op, job = item
             try:
                 job()
-            except Exception:
-                logger.exception("mock L2 adapter job failed")
+            except Exception as exc:
+                self._health.failure(op, f"{type(exc).__name__}: {exc}")
+                logger.exception("mock L2 adapter %s job failed", op)
+            else:
+                self._health.success(op)
 
     def _delay(self, nbytes: int) -> None:
         if nbytes > 0:
             time.sleep(nbytes / self._bandwidth)
 
-    def _submit(self, fn: Any) -> None:
+    def _submit(self, op: str, fn: Any) -> None:
         if self._closed:
             raise RuntimeError("mock L2 adapter is closed")
-        self._jobs.put(fn)
+        self._jobs.put((op, fn))
 
     # store
     def submit_store_task(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> L2TaskId:
@@ -134,7 +140,7 @@ class MockL2Adapter(L2AdapterInterface):
             self._store_done.put(tid, L2StoreResult(True, sum(new_sizes)))
             self._store_n.notify()
 
-        self._submit(job)
+        self._submit("store", job)
         return tid
 
     def pop_completed_store_tasks(self) -> dict[L2TaskId, L2StoreResult]:
@@ -160,7 +166,7 @@ class MockL2Adapter(L2AdapterInterface):
             self._lookup_done.put(tid, bm)
             self._lookup_n.notify()
 
-        self._submit(job)
+        self._submit("lookup", job)
         return tid
 
     def query_lookup_and_lock_result(self, task_id: L2TaskId) -> Bitmap | None:
@@ -195,7 +201,7 @@ class MockL2Adapter(L2AdapterInterface):
             self._load_done.put(tid, bm)
             self._load_n.notify()
 
-        self._submit(job)
+        self._submit("load", job)
         return tid
 
     def query_load_result(self, task_id: L2TaskId) -> Bitmap | None:
@@ -248,8 +254,11 @@ class MockL2Adapter(L2AdapterInterface):
             return self._used
 
     def report_status(self) -> dict[str, Any]:
+        healthy = self._health.healthy and self._worker.is_alive() and not self._closed
         return {
-            "is_healthy": self._worker.is_alive() and not self._closed,
+            "is_healthy": healthy,
+            **self._health.status(),
+            "healthy": healthy,
             "type_name": "mock",
             "num_keys": self.debug_num_keys(),
             "used_bytes": self.debug_used_bytes(),

@@ -3,7 +3,8 @@
 Constructor::
 
     NativeConnectorL2Adapter(native_client, max_capacity_gb=0, type_name="",
-                             extra_status=None, pad_buffers_to_alignment=False)
+                             extra_status=None, pad_buffers_to_alignment=False,
+                             endpoint="", health_probe_interval_s=0.0)
 
 ``native_client`` is any object with the §7.1 methods: ``event_fd() -> int``,
 ``submit_batch_get(keys: list[str], memoryviews) -> int``, ``submit_batch_set(keys, memoryviews)
@@ -18,6 +19,14 @@ The bridge owns three notifiers (store, lookup, load) and a daemon demux thread
 §1.2 strings; buffers become ``byte_array`` memoryviews (for stores the full physical slot,
 tail zeroed, when padding is on; loads always use the logical bytes). L2 locks are client-side refcounts with a 300 s TTL; ``delete`` skips
 locked keys.
+
+Health (``report_status()``, see ``health.py``) comes from the completions: a failed one
+records its error (the connector's text, e.g. ``cannot connect to redis at h:6379:
+Connection refused``), a successful one clears it. ``endpoint`` names the backend in logs
+and status. With ``health_probe_interval_s`` > 0 the bridge also asks the backend whether a
+probe key exists when nothing completed for that long (and once at start), so an idle
+adapter notices a backend that went away, or one unreachable from the start, and its
+recovery.
 
 Subclasses that discover existing keys (a start-up directory scan) use the public
 ``record_known_keys(keys, sizes)`` and ``known_key_sizes()`` instead of the private size table.
@@ -38,6 +47,7 @@ from lmcache.utils import init_logger
 from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey
 from lmcache.v1.distributed.internal_api import L2StoreResult
 from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface, L2TaskId
+from lmcache.v1.distributed.l2_adapters.health import HealthTracker
 from lmcache.v1.distributed.l2_adapters.key_codec import object_key_to_string
 from lmcache.v1.distributed.l2_adapters.utils import KeyLockTable, OnceResults, TaskIds
 from lmcache.v1.memory_management import MemoryObj, TensorMemoryObj
@@ -50,6 +60,8 @@ __all__ = ["NativeConnectorL2Adapter", "_object_key_to_string"]
 GiB = 1 << 30
 DELETE_TIMEOUT_S = 30.0
 POLL_MS = 500
+# The key a health probe asks about (it never exists; only the answer's arrival matters).
+PROBE_KEY = object_key_to_string(ObjectKey(b"\x00", "lmcache-health-probe", 0))
 
 
 def _object_key_to_string(key: ObjectKey) -> str:
@@ -59,7 +71,7 @@ def _object_key_to_string(key: ObjectKey) -> str:
 
 @dataclass
 class _Pending:
-    op: str  # "store" | "lookup" | "load" | "delete"
+    op: str  # "store" | "lookup" | "load" | "delete" | "probe"
     task_id: int
     n: int
     keys: list[ObjectKey]
@@ -76,10 +88,20 @@ class NativeConnectorL2Adapter(L2AdapterInterface):
         type_name: str = "",
         extra_status: dict[str, Any] | Callable[[], dict[str, Any]] | None = None,
         pad_buffers_to_alignment: bool = False,
+        endpoint: str = "",
+        health_probe_interval_s: float = 0.0,
     ) -> None:
         super().__init__(max_capacity_bytes=int(float(max_capacity_gb) * GiB))
         self._client = native_client
         self._type_name = type_name or type(native_client).__name__
+        self._endpoint = str(endpoint)
+        self._health = HealthTracker(
+            f"{self._type_name} at {endpoint}" if endpoint else self._type_name
+        )
+        self._probe_interval = max(0.0, float(health_probe_interval_s))
+        self._probe_pending = False
+        self._last_activity = 0.0  # monotonic time of the latest completion
+        self._last_probe = 0.0  # monotonic; 0 = probe at once
         self._extra_status = extra_status
         self._pad = bool(pad_buffers_to_alignment)
         self._has_delete = callable(getattr(native_client, "submit_batch_delete", None))
@@ -149,6 +171,7 @@ class NativeConnectorL2Adapter(L2AdapterInterface):
                 v, n = self._view(o, pad=self._pad and op == "store")
                 views.append(v)
                 sizes.append(n)
+        submit_error = ""
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"{self._type_name} L2 adapter is closed")
@@ -164,15 +187,18 @@ class NativeConnectorL2Adapter(L2AdapterInterface):
                 else:
                     fid = self._client.submit_batch_delete(names)
             except Exception as exc:  # IMPROVE: a raising submit is a failed completion
-                logger.warning("%s submit_batch (%s) raised: %s", self._type_name, op, exc)
                 fid = None
+                submit_error = f"submit raised {type(exc).__name__}: {exc}"
             if fid is not None:
                 self._pending[int(fid)] = _Pending(
                     op, task_id, len(keys), list(keys), sizes, views, waiter
                 )
         if fid is None:
             self._route(
-                _Pending(op, task_id, len(keys), list(keys), sizes, views, waiter), False, None
+                _Pending(op, task_id, len(keys), list(keys), sizes, views, waiter),
+                False,
+                None,
+                submit_error,
             )
         return task_id
 
@@ -181,7 +207,16 @@ class NativeConnectorL2Adapter(L2AdapterInterface):
 
     # --- routing -------------------------------------------------------------------------------
 
-    def _route(self, p: _Pending, ok: bool, bools: list[bool] | None) -> None:
+    def _route(self, p: _Pending, ok: bool, bools: list[bool] | None, error: str = "") -> None:
+        if p.n:  # empty tasks complete locally and say nothing about the backend
+            op = "lookup" if p.op == "probe" else p.op  # a probe is a one-key lookup
+            if ok:
+                self._health.success(op)
+            else:
+                self._health.failure(op, error)
+        if p.op == "probe":
+            self._probe_pending = False
+            return
         if p.op == "store":
             new_keys, new_sizes, old_keys = [], [], []
             with self._lock:
@@ -197,7 +232,12 @@ class NativeConnectorL2Adapter(L2AdapterInterface):
                 self._notify_keys_stored(new_keys, new_sizes)
             if old_keys:
                 self._notify_keys_stored(old_keys, [0] * len(old_keys))
-            self._store_done.put(p.task_id, L2StoreResult(ok, sum(new_sizes) if ok else 0))
+            result = (
+                L2StoreResult(True, sum(new_sizes))
+                if ok
+                else L2StoreResult(False, 0, error=error or "the connector gave no reason")
+            )
+            self._store_done.put(p.task_id, result)
             self._store_n.notify()
         elif p.op == "lookup":
             bm = self._bitmap(p.n, ok, bools, default_all=False)
@@ -246,11 +286,14 @@ class NativeConnectorL2Adapter(L2AdapterInterface):
             return
         while not self._stop.is_set():
             try:
+                self._maybe_probe()
                 if not poller.poll(POLL_MS):
                     continue
                 if self._stop.is_set():
                     return
                 completions = self._client.drain_completions()
+                if completions:
+                    self._last_activity = time.monotonic()
                 for fid, ok, error, bools in completions:
                     with self._lock:
                         p = self._pending.pop(int(fid), None)
@@ -263,7 +306,9 @@ class NativeConnectorL2Adapter(L2AdapterInterface):
                         logger.debug(
                             "%s %s future %s failed: %s", self._type_name, p.op, fid, error
                         )
-                    self._route(p, bool(ok), list(bools) if bools is not None else None)
+                    self._route(
+                        p, bool(ok), list(bools) if bools is not None else None, str(error or "")
+                    )
                 self._demux_errors = 0
             except Exception:
                 if self._stop.is_set():
@@ -272,6 +317,32 @@ class NativeConnectorL2Adapter(L2AdapterInterface):
                 self._healthy = False
                 logger.exception("%s: demux loop error (continuing)", self._type_name)
                 time.sleep(0.05)
+
+    def _maybe_probe(self) -> None:
+        """Ask the backend about PROBE_KEY once per probe interval while nothing else
+        completes, or while it is unhealthy (other traffic, e.g. stores, may never retry
+        the lookups whose failure keeps it so)."""
+        now = time.monotonic()
+        if (
+            self._probe_interval <= 0
+            or self._probe_pending
+            or now - self._last_probe < self._probe_interval
+            or (now - self._last_activity < self._probe_interval and self._health.healthy)
+        ):
+            return
+        self._probe_pending = True
+        self._last_probe = now
+        error = ""
+        with self._lock:
+            if self._closed:
+                return
+            try:
+                fid = self._client.submit_batch_exists([PROBE_KEY])
+                self._pending[int(fid)] = _Pending("probe", -1, 1, [], [], [])
+                return
+            except Exception as exc:
+                error = f"submit raised {type(exc).__name__}: {exc}"
+        self._route(_Pending("probe", -1, 1, [], [], []), False, None, error)
 
     # --- L2AdapterInterface -----------------------------------------------------------------------
 
@@ -354,9 +425,16 @@ class NativeConnectorL2Adapter(L2AdapterInterface):
         extra = self._extra_status() if callable(self._extra_status) else (self._extra_status or {})
         with self._lock:
             inflight = len(self._pending)
+        health = self._health.status()
+        healthy = (
+            health["healthy"] and self._thread.is_alive() and self._healthy and not self._closed
+        )
         return {
-            "is_healthy": self._thread.is_alive() and self._healthy and not self._closed,
+            "is_healthy": healthy,
+            **health,
+            "healthy": healthy,
             "type_name": self._type_name,
+            "endpoint": self._endpoint,
             "in_flight": inflight,
             "demux_errors": self._demux_errors,
             "has_delete": self._has_delete,
