@@ -78,6 +78,20 @@ def moto() -> Any:
 
 
 @pytest.fixture
+def start_moto():
+    """``start_moto(port)``: another moto server on a given port, stopped at teardown."""
+    started: list[MotoS3] = []
+
+    def start(port: int) -> MotoS3:
+        started.append(MotoS3(port))
+        return started[-1]
+
+    yield start
+    for server in started:
+        server.stop()
+
+
+@pytest.fixture
 def bucket(moto: MotoS3) -> str:
     return moto.new_bucket()
 

@@ -252,3 +252,19 @@ def test_usage_is_per_salt_and_capacity_enables_eviction(h, s3_adapter):
     usage = a.get_usage()
     assert dict(usage.bytes_by_cache_salt) == {"t1": 300, "": 200}
     assert usage.total_capacity_bytes == 1 << 30
+
+
+def test_the_eviction_controller_deletes_s3_objects(h, moto, bucket, s3_adapter):
+    from lmcache.v1.distributed.config import EvictionConfig
+    from lmcache.v1.distributed.eviction import L2EvictionController
+
+    a = s3_adapter(max_capacity_gb=10_000 / (1 << 30))  # 10 000 bytes
+    ctl = L2EvictionController(interval_s=3600)
+    assert ctl.add_adapter(0, a, EvictionConfig("LRU", trigger_watermark=0.8, eviction_ratio=0.5))
+    old, new = [h.key(i) for i in range(5)], [h.key(100 + i) for i in range(5)]
+    h.store(a, old, [h.make_obj(1000, seed=i) for i in range(5)])
+    h.store(a, new, [h.make_obj(1000, seed=i) for i in range(5)])
+    assert a.get_usage().usage_fraction == 1.0
+    ctl.run_once()
+    assert h.wait_until(lambda: a.get_usage().total_bytes_used == 5000)
+    assert set(_objects(moto.client(), bucket)) == {object_key_to_string(k) for k in new}
