@@ -268,3 +268,13 @@ def test_the_eviction_controller_deletes_s3_objects(h, moto, bucket, s3_adapter)
     ctl.run_once()
     assert h.wait_until(lambda: a.get_usage().total_bytes_used == 5000)
     assert set(_objects(moto.client(), bucket)) == {object_key_to_string(k) for k in new}
+
+
+def test_mismatched_keys_and_objects_raise_before_any_request(h, moto, bucket, s3_adapter):
+    a = s3_adapter()
+    with pytest.raises(ValueError, match="2 keys but 1 memory objects"):
+        a.submit_store_task([h.key(1), h.key(2)], [h.make_obj(10)])
+    with pytest.raises(ValueError, match="2 keys but 1 memory objects"):
+        a.submit_load_task([h.key(1), h.key(2)], [h.make_obj(10)])
+    assert a.report_status()["in_flight_requests"] == 0
+    assert _objects(moto.client(), bucket) == {}

@@ -164,3 +164,11 @@ def test_a_misspelt_key_warns_with_the_closest_field_and_still_parses(caplog):
     caplog.clear()
     parse_l2_adapter_dict(1, {**BASE, "s3_request_timeout_seconds": 5, "disable_tls": True})
     assert "unknown field" not in caplog.text
+
+
+def test_a_missing_awscrt_names_the_pip_package(monkeypatch):
+    from lmcache.storage.s3.hooks import create_s3_adapter
+
+    monkeypatch.setitem(sys.modules, "awscrt.s3", None)
+    with pytest.raises(ImportError, match="pip install awscrt"):
+        create_s3_adapter(S3L2AdapterConfig.from_dict(BASE))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any
@@ -34,6 +35,7 @@ logger = init_logger(__name__)
 DELETE_TIMEOUT_SECONDS = 30.0
 HOUSEKEEPING_INTERVAL_SECONDS = 0.25
 WARN_INTERVAL_SECONDS = 10.0
+KNOWN_SIZES_CAPACITY = 1 << 20  # object names whose size a lookup may trust without a HEAD
 
 
 class _Task:
@@ -82,6 +84,14 @@ def _bytes_view(obj: Any) -> memoryview:
     return view if view.format == "B" else view.cast("B")
 
 
+def _requests(keys: list[ObjectKey], objects: list[Any]) -> list[tuple[str, memoryview]]:
+    """(object name, byte view) per key."""
+    objects = list(objects)
+    if len(objects) != len(keys):
+        raise ValueError(f"{len(keys)} keys but {len(objects)} memory objects")
+    return [(object_key_to_string(k), _bytes_view(o)) for k, o in zip(keys, objects, strict=True)]
+
+
 class S3L2Adapter(L2AdapterInterface):
     def __init__(
         self, config: S3L2AdapterConfig | dict[str, Any], l1_memory_desc: Any = None, **_: Any
@@ -107,7 +117,8 @@ class S3L2Adapter(L2AdapterInterface):
 
         self._lock = threading.Lock()
         self._sizes: dict[ObjectKey, int] = {}  # keys counted in usage, with their sizes
-        self._known_sizes: dict[str, int] = {}  # object name -> size seen (store or HEAD)
+        # Object name -> size seen by a store or a HEAD (most recent last, bounded).
+        self._known_sizes: OrderedDict[str, int] = OrderedDict()
         self._deleting: set[ObjectKey] = set()
         self._last_error: str | None = None
         self._last_error_time: float | None = None
@@ -215,6 +226,13 @@ class S3L2Adapter(L2AdapterInterface):
             self._breaker.snapshot()["reopen_in_s"],
         )
 
+    def _remember_size(self, name: str, size: int) -> None:
+        with self._lock:
+            self._known_sizes[name] = size
+            self._known_sizes.move_to_end(name)
+            if len(self._known_sizes) > KNOWN_SIZES_CAPACITY:
+                self._known_sizes.popitem(last=False)
+
     def _finish(self, fn: Any, *args: Any) -> None:
         try:
             self._finisher.submit(fn, *args)
@@ -229,12 +247,10 @@ class S3L2Adapter(L2AdapterInterface):
         if not keys or not self._admit("store", len(keys)):
             self._publish_store(tid, L2StoreResult(not keys, 0))
             return tid
+        work = _requests(keys, objects)  # raises before any request goes out
         task = _Task(tid, keys)
-        sizes: list[int] = []
-        for i, (key, obj) in enumerate(zip(keys, objects, strict=True)):
-            view = _bytes_view(obj)
-            sizes.append(len(view))
-            name = object_key_to_string(key)
+        sizes = [len(view) for _, view in work]
+        for i, (name, view) in enumerate(work):
             self._transport.put(name, view, partial(self._stored_one, task, sizes, i, name))
         return tid
 
@@ -242,8 +258,7 @@ class S3L2Adapter(L2AdapterInterface):
         ok = out.error is None
         self._observe("PUT", name, out, ok)
         if ok:
-            with self._lock:
-                self._known_sizes[name] = sizes[i]
+            self._remember_size(name, sizes[i])
         if task.done(i, ok):
             self._finish(self._finish_store, task, sizes)
 
@@ -306,8 +321,7 @@ class S3L2Adapter(L2AdapterInterface):
             hit = out.error is None and out.status == 200 and bool(out.size)
             self._observe("HEAD", name, out, hit or out.missing)
             if hit:
-                with self._lock:
-                    self._known_sizes[name] = int(out.size or 0)
+                self._remember_size(name, int(out.size or 0))
             else:
                 self._locks.unlock([task.keys[i]])
         if task.done(i, hit):
@@ -338,10 +352,9 @@ class S3L2Adapter(L2AdapterInterface):
         if not keys or not self._admit("load", len(keys)):
             self._publish(self._load_results, self._load_notifier, tid, Bitmap(len(keys)))
             return tid
+        work = _requests(keys, objects)  # raises before any request goes out
         task = _Task(tid, keys)
-        for i, (key, obj) in enumerate(zip(keys, objects, strict=True)):
-            name = object_key_to_string(key)
-            view = _bytes_view(obj)
+        for i, (name, view) in enumerate(work):
             self._transport.get_into(
                 name, view, partial(self._loaded_one, task, i, name, len(view))
             )
