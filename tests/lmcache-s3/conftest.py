@@ -117,6 +117,8 @@ def s3_adapter(moto: MotoS3, bucket: str, adapters: list[Any]) -> Any:
     def make(**extra: Any) -> Any:
         a = Helpers.build("s3", **moto.spec(bucket, **extra))
         adapters.append(a)
+        # Start from a quiet adapter: its start-up bucket check has answered.
+        assert Helpers.wait_until(lambda: a.report_status()["in_flight_requests"] == 0)
         return a
 
     return make

@@ -22,6 +22,9 @@ def _body(client, bucket: str, name: str) -> bytes:
 
 def test_put_head_get_delete_round_trip(h, moto, bucket, s3_adapter):
     a = s3_adapter()
+    # The start-up bucket check succeeds (and counts as the first good answer).
+    assert h.wait_until(lambda: a.report_status()["last_success_time"] is not None)
+    assert a.report_status()["healthy"] is True
     rec = h.Recorder()
     a.register_listener(rec)
     keys = [h.key(i) for i in range(3)]
@@ -232,6 +235,11 @@ def test_fds_are_distinct_and_close_is_idempotent(s3_adapter):
 def test_a_missing_bucket_fails_with_the_reason_and_the_endpoint(h, moto, adapters):
     a = h.build("s3", **moto.spec("no-such-bucket-here"))
     adapters.append(a)
+    # The start-up bucket check already tells.
+    assert h.wait_until(lambda: a.report_status()["last_error"] is not None)
+    st = a.report_status()
+    assert st["healthy"] is False
+    assert st["last_error"] == f"HEAD {moto.endpoint}/no-such-bucket-here: HTTP 404: no such bucket"
     res = h.store(a, [h.key(1)], [h.make_obj(100)])
     assert not res.is_successful()
     st = a.report_status()

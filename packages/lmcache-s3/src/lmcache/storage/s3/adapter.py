@@ -131,6 +131,7 @@ class S3L2Adapter(L2AdapterInterface):
             target=self._housekeeping, name="lmc-s3-housekeeping", daemon=True
         )
         self._housekeeper.start()
+        self._transport.head_bucket(self._bucket_checked)  # status and log show a bad bucket early
         logger.info(
             "s3: adapter ready (endpoint %s, region %s, %s-style, request timeout %g s)",
             self._url,
@@ -201,9 +202,16 @@ class S3L2Adapter(L2AdapterInterface):
             try:
                 self._transport.cancel_overdue()
                 if self._breaker.take_probe():
-                    self._transport.probe(self._probe_done)
+                    self._transport.head_bucket(self._probe_done)
             except Exception:
                 logger.exception("s3: housekeeping failed")
+
+    def _bucket_checked(self, out: Outcome) -> None:
+        if out.status == 404:
+            out.error = "HTTP 404: no such bucket"
+        self._observe("HEAD", "", out, out.error is None)
+        if out.error is None:
+            logger.info("s3: bucket %s is reachable", self._url)
 
     def _probe_done(self, out: Outcome) -> None:
         if out.reached_server:

@@ -23,7 +23,6 @@ from lmcache.utils import init_logger
 
 logger = init_logger(__name__)
 
-PROBE_OBJECT = "lmcache-s3-probe"  # any HTTP answer for it proves the endpoint is reachable
 CLOSE_WAIT_SECONDS = 10.0
 
 # CRT error names that mean "could not talk to the server" (these count for the breaker).
@@ -247,9 +246,10 @@ class S3Transport:
         self._send("DELETE", object_path(self.target.path_prefix, name), "DeleteObject",
                    lambda _req, out: on_done(out))  # fmt: skip
 
-    def probe(self, on_done: Callable[[Outcome], None]) -> None:
-        """HEAD of a fixed name: any HTTP answer (404, 403 too) shows the endpoint works."""
-        self._send("HEAD", object_path(self.target.path_prefix, PROBE_OBJECT), "HeadObject",
+    def head_bucket(self, on_done: Callable[[Outcome], None]) -> None:
+        """HeadBucket: 200 when the bucket exists and may be listed, 404 when it does not,
+        403 without s3:ListBucket. Any answer at all shows the endpoint is reachable."""
+        self._send("HEAD", self.target.path_prefix or "/", "HeadBucket",
                    lambda _req, out: on_done(out))  # fmt: skip
 
     def list_page(self, prefix: str | None, max_keys: int, token: str | None) -> Outcome:
