@@ -216,11 +216,10 @@ class S3L2Adapter(L2AdapterInterface):
     def _probe_done(self, out: Outcome) -> None:
         if out.reached_server:
             self._breaker.probe_succeeded()
-            with self._lock:
-                self._last_success_time = time.time()
             logger.info(
                 "s3: %s answers again (HTTP %s); circuit breaker closed", self._url, out.status
             )
+            self._bucket_checked(out)  # a missing bucket still shows in the status
             return
         self._breaker.probe_failed()
         with self._lock:

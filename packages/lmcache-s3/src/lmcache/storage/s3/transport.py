@@ -351,7 +351,7 @@ class S3Transport:
             code = _s3_error_code(error_body if isinstance(error_body, bytes) else None)
             text = f"HTTP {status}" + (f" {code}" if code else "")
             if status == 403 and code is None:
-                text += " (a HEAD of a missing object answers 403 without s3:ListBucket)"
+                text += " (HEAD requests answer 403 instead of 404 without s3:ListBucket)"
             return Outcome(status=status, error=text, connection_error=status >= 500, code=code)
         if isinstance(error, AwsCrtError):
             connection = any(w in error.name for w in _CONNECTION_ERROR_WORDS)
