@@ -239,7 +239,7 @@ class NixlStoreL2Adapter(L2AdapterInterface):
             )
         except Exception as exc:  # never into a controller: the task fails as a whole
             self._health.failure(
-                f"{task.op} of {len(task.keys)} keys failed to start: {_describe(exc)}",
+                f"{task.op} transfer of {len(task.keys)} keys failed to start: {_describe(exc)}",
                 backend=True,
             )
             self._finish(task, ok=False)
