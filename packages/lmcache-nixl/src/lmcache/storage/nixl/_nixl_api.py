@@ -78,3 +78,25 @@ def nixl_build_name() -> str:
     """``nixl_cu12`` / ``nixl_cu13`` / ``nixl``: which build ``nixl_api()`` loaded."""
     api = nixl_api()
     return api.__name__.rsplit(".", 1)[0]
+
+
+def describe_error(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+def new_agent(name: str, backend: str, params: dict[str, str]) -> object:
+    """A NIXL agent (no listener, thread-sync NONE: one thread at a time uses it) with
+    ``backend`` created. A backend NIXL cannot create raises RuntimeError naming the plugins
+    it found."""
+    api = nixl_api()
+    agent = api.nixl_agent(name, api.nixl_agent_config(backends=[]))
+    try:
+        agent.create_backend(backend, params)
+    except Exception as exc:
+        plugins = ", ".join(agent.get_plugin_list()) or "none"
+        raise RuntimeError(
+            f"NIXL ({nixl_build_name()}) could not create backend {backend!r} "
+            f"({describe_error(exc)}); plugins found: {plugins}. Check backend_params "
+            "(NIXL logs the cause above)"
+        ) from exc
+    return agent

@@ -16,12 +16,8 @@ from typing import Any
 import numpy as np
 
 from lmcache.storage.nixl._arena import Arena
-from lmcache.storage.nixl._nixl_api import nixl_api
+from lmcache.storage.nixl._nixl_api import new_agent
 from lmcache.storage.nixl.config import NixlStoreL2AdapterConfig
-
-
-def _describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
 class SlotStorage:
@@ -42,11 +38,9 @@ class SlotStorage:
             self.num_slots = config.pool_size * (self.file_size // arena.page)
         else:
             self.num_slots = config.pool_size
-        api = nixl_api()
         self.name = f"lmcache-nixl-store-{uuid.uuid4()}"
-        self.agent = api.nixl_agent(self.name, api.nixl_agent_config(backends=[]))
+        self.agent: Any = new_agent(self.name, config.backend, config.nixl_backend_params())
         try:
-            self._create_backend(config)
             self._regs.append(self.agent.register_memory(arena.region(), mem_type="DRAM"))
             self._mem = self.agent.prep_xfer_dlist("", arena.page_descs(), mem_type="DRAM")
             self._handles.append(self._mem)
@@ -58,16 +52,6 @@ class SlotStorage:
         except BaseException:
             self.close()
             raise
-
-    def _create_backend(self, config: NixlStoreL2AdapterConfig) -> None:
-        try:
-            self.agent.create_backend(config.backend, config.nixl_backend_params())
-        except Exception as exc:
-            plugins = ", ".join(self.agent.get_plugin_list()) or "none"
-            raise RuntimeError(
-                f"NIXL could not create backend {config.backend!r} ({_describe(exc)}); plugins "
-                f"found: {plugins}. Check backend_params (NIXL logs the cause above)"
-            ) from exc
 
     def _file_slots(self, config: NixlStoreL2AdapterConfig) -> Any:
         path = config.backend_params["file_path"]

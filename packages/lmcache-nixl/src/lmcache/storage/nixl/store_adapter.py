@@ -28,8 +28,9 @@ from typing import Any
 from lmcache.lmcache_native import Bitmap
 from lmcache.storage.nixl._arena import Arena, BufferRejected
 from lmcache.storage.nixl._health import Health
+from lmcache.storage.nixl._nixl_api import describe_error as _describe
 from lmcache.storage.nixl._nixl_api import nixl_build_name
-from lmcache.storage.nixl._slots import SlotStorage, _describe
+from lmcache.storage.nixl._slots import SlotStorage
 from lmcache.storage.nixl.config import NixlStoreL2AdapterConfig
 from lmcache.utils import init_logger
 from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey
