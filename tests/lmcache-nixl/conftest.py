@@ -22,10 +22,11 @@ def _load_helpers() -> Any:
     spec = importlib.util.spec_from_file_location("_lmcache_l2_test_helpers", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    return mod.Helpers
+    return mod
 
 
-Helpers = _load_helpers()
+L2_HELPERS = _load_helpers()
+Helpers = L2_HELPERS.Helpers
 
 
 def _nixl_missing() -> str:
@@ -113,7 +114,12 @@ def s3_bucket(s3_server):
 @pytest.fixture
 def nx() -> Any:
     """The helpers of this directory (importlib mode: test modules cannot import conftest)."""
-    return SimpleNamespace(PAGE=PAGE, arena_obj=arena_obj, obj_backend_params=obj_backend_params)
+    return SimpleNamespace(
+        PAGE=PAGE,
+        arena_obj=arena_obj,
+        obj_backend_params=obj_backend_params,
+        l2_helpers=L2_HELPERS,  # the engine and KV-cache helpers of the server tests
+    )
 
 
 def obj_backend_params(endpoint: str, bucket: str) -> dict[str, str]:
