@@ -132,7 +132,9 @@ def test_buffers_outside_the_arena_fail_without_raising(nx, h, tmp_path, arena, 
     a = _build(_file_spec(tmp_path), arena, adapters)
     res = h.store(a, [h.key(1)], [h.make_obj(3000, seed=1)])
     assert not res.is_successful() and os.listdir(tmp_path) == []
-    assert "outside the registered L1 arena" in a.report_status()["last_error"]
+    status = a.report_status()
+    assert "outside the registered L1 arena" in status["last_error"]
+    assert status["is_healthy"] is True  # the caller's fault, not the backend's
     good = nx.arena_obj(arena, 3000, seed=2)
     assert h.store(a, [h.key(2)], [good]).is_successful()
     outside = h.make_obj(3000, seed=3)

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+import time
 
 import pytest
 import torch
@@ -314,3 +316,63 @@ def test_empty_tasks_complete(h, store_spec, arena, adapters):
     assert h.store(a, [], []).is_successful()
     assert h.lookup(a, []).size() == 0
     assert h.load(a, [], []).size() == 0
+
+
+def test_delete_waits_for_a_load_reading_the_slots(nx, h, tmp_path, arena, adapters, monkeypatch):
+    a = _build(_posix_spec(tmp_path), arena, adapters)
+    src = nx.arena_obj(arena, 2 * PAGE, seed=1)
+    assert h.store(a, [h.key(1)], [src]).is_successful()
+    release = threading.Event()
+    real_state = a._storage.state
+    monkeypatch.setattr(
+        a._storage, "state", lambda handle: real_state(handle) if release.is_set() else "PROC"
+    )
+    dst = nx.arena_obj(arena, 2 * PAGE, seed=2)
+    tid = a.submit_load_task([h.key(1)], [dst])
+    assert h.wait_until(lambda: a._index[h.key(1)].loading == 1)
+    a.delete([h.key(1)])  # the read is still running: the slots must not be freed
+    assert a.report_status()["slots_used"] == 2
+    release.set()
+    bm = None
+    for _ in range(1000):  # the load result, once the read completes
+        bm = a.query_load_result(tid)
+        if bm is not None:
+            break
+        time.sleep(0.02)
+    assert bm.test(0) is True and torch.equal(dst.tensor, src.tensor)
+    a.delete([h.key(1)])
+    assert a.report_status()["slots_used"] == 0
+
+
+def test_the_io_thread_survives_a_failing_completion(nx, h, tmp_path, arena, adapters, monkeypatch):
+    a = _build(_posix_spec(tmp_path), arena, adapters)
+    real_finish = a._finish_load
+    calls = []
+
+    def broken_once(task, ok):
+        calls.append(task.task_id)
+        if len(calls) == 1:
+            raise TypeError("injected bookkeeping bug")
+        real_finish(task, ok)
+
+    monkeypatch.setattr(a, "_finish_load", broken_once)
+    a.submit_load_task([h.key(9)], [nx.arena_obj(arena, 10, seed=1)])
+    assert h.wait_until(lambda: a.report_status()["healthy"] is False)
+    assert "injected bookkeeping bug" in a.report_status()["last_error"]
+    src = nx.arena_obj(arena, 10, seed=2)
+    assert h.store(a, [h.key(1)], [src]).is_successful()
+    dst = nx.arena_obj(arena, 10, seed=3)
+    assert h.load(a, [h.key(1)], [dst]).test(0) is True and torch.equal(dst.tensor, src.tensor)
+    assert a.report_status()["healthy"] is True
+
+
+def test_slots_are_handed_out_in_ascending_runs():
+    # Consecutive pages meet consecutive slots, so NIXL merges them into one I/O.
+    from lmcache.storage.nixl.store_adapter import SlotPool
+
+    pool = SlotPool(8)
+    assert pool.allocate(3) == [0, 1, 2]
+    assert pool.allocate(6) is None  # all or nothing
+    assert pool.allocate(2) == [3, 4]
+    pool.free([0, 1, 2])
+    assert pool.free_count == 6

@@ -202,7 +202,8 @@ class NixlConnector:
             except Exception as exc:  # exists/set: the tile (so the batch) fails
                 error = describe_error(exc)
                 self.health.failure(
-                    f"{batch.op} of {end - start} keys failed: {error}", backend=True
+                    f"{batch.op} of {end - start} keys failed: {error}",
+                    backend=not isinstance(exc, BufferRejected),
                 )
             with batch.mu:
                 if error and not batch.error:

@@ -212,20 +212,29 @@ class NixlStoreL2Adapter(L2AdapterInterface):
                     if task is None:
                         stopping = True
                     elif stopping:
-                        self._finish(task, ok=False)
+                        self._guarded(self._finish, task, False)
                     else:
-                        self._start(task, inflight)
+                        self._guarded(self._start, task, inflight)
                     try:
                         task = self._queue.get_nowait()
                     except queue.Empty:
                         break
-            progressed = self._poll(inflight)
+            progressed = self._guarded(self._poll, inflight)
             if not inflight:
                 wait = IDLE_WAIT_S
             elif progressed or wait >= IDLE_WAIT_S:
                 wait = MIN_POLL_WAIT_S
             else:
                 wait = min(MAX_POLL_WAIT_S, wait * 2)
+
+    def _guarded(self, fn: Any, *args: Any) -> Any:
+        """The I/O thread outlives any bug in one task's bookkeeping (it serves all the others)."""
+        try:
+            return fn(*args)
+        except Exception as exc:
+            logger.exception("nixl_store: I/O thread error (continuing)")
+            self._health.failure(f"I/O thread error: {_describe(exc)}", backend=True)
+            return False
 
     def _start(self, task: _Task, inflight: list[_Task]) -> None:
         try:
