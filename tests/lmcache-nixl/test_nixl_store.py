@@ -376,3 +376,23 @@ def test_slots_are_handed_out_in_ascending_runs():
     assert pool.allocate(2) == [3, 4]
     pool.free([0, 1, 2])
     assert pool.free_count == 6
+
+
+def test_eviction_controller_frees_slots_for_new_stores(nx, h, tmp_path, arena, adapters):
+    from lmcache.v1.distributed.config import EvictionConfig
+    from lmcache.v1.distributed.eviction import L2EvictionController
+
+    a = _build(_posix_spec(tmp_path, pool_size=1, file_pages=8), arena, adapters)
+    ctl = L2EvictionController(interval_s=3600)
+    assert ctl.add_adapter(0, a, EvictionConfig("LRU", trigger_watermark=0.8, eviction_ratio=0.5))
+    old = [h.key(i) for i in range(8)]
+    assert h.store(a, old, [nx.arena_obj(arena, PAGE, seed=i) for i in range(8)]).is_successful()
+    assert a.get_usage().usage_fraction == 1.0
+
+    ctl.run_once()
+    assert h.wait_until(lambda: a.report_status()["slots_used"] == 4)
+    new = [h.key(100 + i) for i in range(4)]
+    assert h.store(a, new, [nx.arena_obj(arena, PAGE, seed=i) for i in range(4)]).is_successful()
+    found = h.lookup(a, old + new).get_indices_list()
+    # Half of the old keys made room (LRU drops the later chunks of a prefix first).
+    assert len([i for i in found if i < 8]) == 4 and found[-4:] == list(range(8, 12))
