@@ -156,7 +156,6 @@ class NixlStoreL2Adapter(L2AdapterInterface):
                 backend=False,
             )
             task.rejected = True
-            task.items = []
             self._finish(task, ok=False)
         elif self._closed:
             self._finish(task, ok=False)
