@@ -35,7 +35,7 @@ def _nixl_missing() -> str:
 
         nixl_api()
     except ImportError as exc:
-        return f"nixl is not importable ({exc}); pip install nixl==1.5.1"
+        return f"nixl is not installed: {exc}"
     return ""
 
 
