@@ -26,6 +26,9 @@ DIST = ROOT / "dist"
 
 # torch first and pinned: pip takes the local CPU wheel; a bare newer torch downloads GBs of CUDA.
 TORCH = "torch==2.13.0"
+# lmcache-nixl declares nixl>=1.5.1,<2; sessions test against this release (its POSIX and OBJ
+# plugins load on CPU).
+NIXL = "nixl==1.5.1"
 CORE = PACKAGES / "lmcache-core"
 
 nox.options.sessions = ["lint", "tests"]
@@ -62,7 +65,7 @@ def install_everything(session: nox.Session, *, editable: bool = False) -> None:
     targets: list[str] = []
     for path in [*package_dirs(), *example_dirs()]:
         targets += ["-e", str(path)] if editable else [str(path)]
-    session.install(*targets)
+    session.install(*targets, NIXL)
 
 
 @nox.session
