@@ -4,8 +4,10 @@ Only what the connector reads is modelled: small stand-ins for ``VllmConfig``,
 ``KVCacheConfig``, ``Request``, ``KVCacheBlocks``, ``SchedulerOutput``,
 ``ForwardContext`` and ``KVConnectorOutput``, a block allocator, and a toy
 "model" whose KV for a token is a deterministic function of the token prefix,
-the layer and the TP rank. KV caches are CPU tensors in vLLM's NHD layout
-(``[2, NB, BS, NH, HS]`` per layer, or ``[NB, BS, HS]`` for MLA).
+the layer and the TP rank. KV caches are CPU tensors shaped as vLLM 0.32 passes them: 4-D views of
+one shared buffer (``[NB, NH, BS, 2*HS]`` per layer for the CPU backend's HND layout), the
+model writing through its own views; older vLLM's 5-D tensors with ``kv_shape="split"``,
+``[NB, BS, HS]`` for MLA.
 
 Per step it calls, like vLLM's scheduler and model runner:
   scheduler: get_num_new_matched_tokens (again while it returns None) ->
@@ -20,6 +22,7 @@ Per step it calls, like vLLM's scheduler and model runner:
 
 from __future__ import annotations
 
+import mmap
 import pickle
 from dataclasses import dataclass, field
 from typing import Any
@@ -208,11 +211,21 @@ def prefix_hashes(tokens: list[int]) -> list[int]:
 
 @dataclass
 class ToyModel:
+    """``fused`` (the default) is vLLM >= 0.29: every layer a 4-D ``[NB, NH, BS, 2*HS]``
+    (HND) or ``[NB, BS, NH, 2*HS]`` (NHD) view of ONE shared int8 buffer, as vLLM's
+    ``allocate_kv_cache`` makes them (vLLM 0.32's CPU backend: LBHNC, i.e. HND). The
+    attention layers then hold their own views of that buffer (``bind_kv_cache``), so the
+    model never writes through the tensors the connector was given. Inside a CS row the
+    HND (CPU) backend keeps a block-head's K rows then its V rows (``view(.., 2*BS, HS)``),
+    the NHD (GPU) backends K then V per token. ``fused=False`` gives the 5-D per-layer
+    tensors of older vLLM (``[2, NB, BS, NH, HS]`` / HND ``[2, NB, NH, BS, HS]``)."""
+
     num_layers: int = 2
     num_heads: int = 2
     head_size: int = 8
     mla: bool = False
-    hnd: bool = False  # heads before tokens inside a block ([2, NB, NH, BS, HS])
+    hnd: bool = False  # heads before tokens inside a block
+    fused: bool = True
     dtype: torch.dtype = torch.float16
 
     @property
@@ -231,17 +244,37 @@ class ToyModel:
     def next_token(self, tokens: list[int]) -> int:
         return prefix_hashes(tokens)[-1] % 30000 + 1
 
-    def new_cache(self, num_blocks: int, block_size: int) -> dict[str, torch.Tensor]:
+    def layer_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        nb, bs, nh, hs = num_blocks, block_size, self.num_heads, self.head_size
         if self.mla:
-            shape: tuple[int, ...] = (num_blocks, block_size, self.head_size)
-        elif self.hnd:
-            shape = (2, num_blocks, self.num_heads, block_size, self.head_size)
-        else:
-            shape = (2, num_blocks, block_size, self.num_heads, self.head_size)
+            return (nb, bs, hs)
+        if self.fused:
+            return (nb, nh, bs, 2 * hs) if self.hnd else (nb, bs, nh, 2 * hs)
+        return (2, nb, nh, bs, hs) if self.hnd else (2, nb, bs, nh, hs)
+
+    def new_cache(self, num_blocks: int, block_size: int) -> dict[str, torch.Tensor]:
+        """The per-layer tensors vLLM registers with the connector."""
+        shape = self.layer_shape(num_blocks, block_size)
+        names = [f"model.layers.{i}.attn" for i in range(self.num_layers)]
+        if not self.fused:
+            return {name: torch.zeros(shape, dtype=self.dtype) for name in names}
+        per_layer = 1
+        for d in shape:
+            per_layer *= d
+        # Whole pages of their own, as a large allocation gets from the C allocator.
+        nbytes = per_layer * self.num_layers * self.dtype.itemsize
+        pages = mmap.mmap(-1, -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE)
+        typed = torch.frombuffer(pages, dtype=torch.int8)[:nbytes].view(self.dtype)
         return {
-            f"model.layers.{i}.attn": torch.zeros(shape, dtype=self.dtype)
-            for i in range(self.num_layers)
+            name: typed[i * per_layer : (i + 1) * per_layer].view(shape)
+            for i, name in enumerate(names)
         }
+
+
+def layer_views(cache: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    """The attention layers' own views of the registered caches (vLLM's ``bind_kv_cache``
+    makes new tensor objects over the same memory): what the model reads and writes."""
+    return [t.as_strided(t.shape, t.stride(), t.storage_offset()) for t in cache.values()]
 
 
 def _slots(
@@ -252,9 +285,24 @@ def _slots(
     return blocks, pos % bs
 
 
+def _kv_planes(model: ToyModel, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(K, V) views of one layer's fused or split tensor, each indexed [block, token, head]
+    (NHD order) so reads and writes need one code path."""
+    nh, hs = model.num_heads, model.head_size
+    if model.fused and model.hnd:  # CPU backend: [NB, NH, BS, 2HS] seen as [NB, NH, 2BS, HS]
+        rows = t.view(t.shape[0], nh, -1, hs)
+        bs = rows.shape[2] // 2
+        return rows[:, :, :bs].transpose(1, 2), rows[:, :, bs:].transpose(1, 2)
+    if model.fused:  # [NB, BS, NH, 2HS]: K then V per token
+        return t[..., :hs], t[..., hs:]
+    if model.hnd:
+        return t[0].transpose(1, 2), t[1].transpose(1, 2)
+    return t[0], t[1]
+
+
 def write_kv(
     model: ToyModel,
-    cache: dict[str, torch.Tensor],
+    views: list[torch.Tensor],
     block_ids: list[int],
     bs: int,
     tokens: list[int],
@@ -266,21 +314,18 @@ def write_kv(
     if end <= start:
         return
     blk, off = _slots(block_ids, start, end, bs)
-    for layer, t in enumerate(cache.values()):
+    for layer, t in enumerate(views):
         vals = model.kv(tokens, start, end, layer, rank) + offset
         if model.mla:
             t[blk, off] = vals[0]
-        elif model.hnd:
-            t[0, blk, :, off] = vals[0].view(-1, model.num_heads, model.head_size)
-            t[1, blk, :, off] = vals[1].view(-1, model.num_heads, model.head_size)
-        else:
-            t[0, blk, off] = vals[0].view(-1, model.num_heads, model.head_size)
-            t[1, blk, off] = vals[1].view(-1, model.num_heads, model.head_size)
+            continue
+        for plane, v in zip(_kv_planes(model, t), vals, strict=True):
+            plane[blk, off] = v.view(-1, model.num_heads, model.head_size)
 
 
 def read_kv(
     model: ToyModel,
-    cache: dict[str, torch.Tensor],
+    views: list[torch.Tensor],
     block_ids: list[int],
     bs: int,
     start: int,
@@ -288,33 +333,19 @@ def read_kv(
 ) -> list[torch.Tensor]:
     blk, off = _slots(block_ids, start, end, bs)
     out = []
-    for t in cache.values():
+    for t in views:
         if model.mla:
             out.append(t[blk, off][None].clone())
-        elif model.hnd:
-            out.append(
-                torch.stack(
-                    [
-                        t[0, blk, :, off].reshape(end - start, -1),
-                        t[1, blk, :, off].reshape(end - start, -1),
-                    ]
-                )
-            )
-        else:
-            out.append(
-                torch.stack(
-                    [
-                        t[0, blk, off].reshape(end - start, -1),
-                        t[1, blk, off].reshape(end - start, -1),
-                    ]
-                )
-            )
+            continue
+        out.append(
+            torch.stack([p[blk, off].reshape(end - start, -1) for p in _kv_planes(model, t)])
+        )
     return out
 
 
 def kv_matches(
     model: ToyModel,
-    cache: dict[str, torch.Tensor],
+    views: list[torch.Tensor],
     block_ids: list[int],
     bs: int,
     tokens: list[int],
@@ -323,7 +354,7 @@ def kv_matches(
     rank: int,
     offset: float = 0.0,
 ) -> bool:
-    got = read_kv(model, cache, block_ids, bs, start, end)
+    got = read_kv(model, views, block_ids, bs, start, end)
     return all(
         torch.equal(g, model.kv(tokens, start, end, layer, rank) + offset)
         for layer, g in enumerate(got)
@@ -349,10 +380,15 @@ class Engine:
         model_name: str = "harness/toy-model",
         host: str = "tcp://127.0.0.1",
         register: bool = True,
-        kv_layout: str = "NHD",
+        kv_layout: str = "HND",
+        kv_shape: str = "fused",
     ) -> None:
+        if kv_shape not in ("fused", "split"):
+            raise ValueError(f"kv_shape {kv_shape!r}: expected 'fused' (vLLM >= 0.29) or 'split'")
         self.bs = block_size
-        self.model = ToyModel(num_layers=num_layers, mla=mla, hnd=kv_layout == "HND")
+        self.model = ToyModel(
+            num_layers=num_layers, mla=mla, hnd=kv_layout == "HND", fused=kv_shape == "fused"
+        )
         self.num_blocks = num_blocks
         self.tp = tp
 
@@ -381,6 +417,8 @@ class Engine:
             for r in range(tp)
         ]
         self.caches = [self.model.new_cache(num_blocks, block_size) for _ in range(tp)]
+        # the attention layers bind their own views before vLLM registers the caches
+        self.views = [layer_views(cache) for cache in self.caches]
         if register:
             self.register()
         self.free_blocks = list(range(1, num_blocks))  # block 0 is vLLM's null block
@@ -512,10 +550,10 @@ class Engine:
                 self._alloc(req, req.num_tokens)
                 if req.apc_tokens:
                     # vLLM's prefix cache already holds these tokens' KV.
-                    for rank, cache in enumerate(self.caches):
+                    for rank, views in enumerate(self.views):
                         write_kv(
                             self.model,
-                            cache,
+                            views,
                             req.block_ids,
                             self.bs,
                             req.all_token_ids,
@@ -571,7 +609,7 @@ class Engine:
                 req = self.requests[rid]
                 write_kv(
                     self.model,
-                    cache,
+                    self.views[rank],
                     req.block_ids,
                     self.bs,
                     req.all_token_ids,
@@ -583,7 +621,9 @@ class Engine:
                 w.wait_for_layer_load(name)
                 w.save_kv_layer(name, layer, None)
             w.wait_for_save()
-            sending, recving = w.get_finished(so.finished_req_ids)
+            # vLLM 0.32's kv_connector_model_runner_mixin: attributes of the result object
+            results = w.get_transfer_results(so.finished_req_ids)
+            sending, recving = results.finished_sending, results.finished_recving
             errors |= w.get_block_ids_with_load_errors()
             w.clear_connector_metadata()
             for rid in sending or ():
@@ -620,7 +660,7 @@ class Engine:
                 ok = all(
                     kv_matches(
                         self.model,
-                        cache,
+                        views,
                         req.block_ids,
                         self.bs,
                         req.all_token_ids,
@@ -628,7 +668,7 @@ class Engine:
                         req.num_computed_tokens,
                         rank,
                     )
-                    for rank, cache in enumerate(self.caches)
+                    for rank, views in enumerate(self.views)
                 )
                 self.loaded_ok[rid] = req.num_computed_tokens if ok else -1
                 if self.apc_marker is not None and req.apc_tokens:
@@ -636,7 +676,7 @@ class Engine:
                     self.apc_intact[rid] = all(
                         kv_matches(
                             self.model,
-                            cache,
+                            views,
                             req.block_ids,
                             self.bs,
                             req.all_token_ids,
@@ -645,7 +685,7 @@ class Engine:
                             rank,
                             offset=self.apc_marker,
                         )
-                        for rank, cache in enumerate(self.caches)
+                        for rank, views in enumerate(self.views)
                     )
             req.status = "loaded"
 

@@ -10,6 +10,8 @@ import httpx
 import pytest
 from lmc_vllm_harness import Engine
 
+from lmcache.integration.vllm.vllm_base import KVConnectorTransferResults
+
 CHUNK = 256
 
 
@@ -388,11 +390,13 @@ def test_other_connector_methods(server, engines):
     assert type(sched).build_prom_metrics() is None
     assert worker.get_kv_connector_kv_cache_events() is None
     assert worker.get_block_ids_with_load_errors() == set()
-    assert worker.get_transfer_results(set()) == {
-        "finished_sending": set(),
-        "finished_recving": set(),
-        "failed_recving": set(),
-    }
+    results = worker.get_transfer_results(set())
+    assert isinstance(results, KVConnectorTransferResults)  # vLLM reads its attributes
+    assert (results.finished_sending, results.finished_recving, results.failed_recving) == (
+        set(),
+        set(),
+        set(),
+    )
     e.add_request("m", tokens(300, seed=34))
     e.run()
     req = e.requests["m"]
@@ -522,10 +526,11 @@ def test_failed_load_reports_load_errors_and_the_request_recomputes(server, engi
 
 
 def test_chunks_stored_from_nhd_load_into_hnd(server, engines):
-    """The stored chunk layout is canonical: an HND engine reads what an NHD engine wrote."""
+    """The stored chunk layout is canonical: an HND engine reads what an NHD engine wrote
+    (older vLLM's split K/V tensors, where both orders exist for the same backend)."""
     prompt = tokens(600, seed=52)
-    store_prompt(engines, prompt, kv_layout="NHD")
-    warm = engines(kv_layout="HND")
+    store_prompt(engines, prompt, kv_layout="NHD", kv_shape="split")
+    warm = engines(kv_layout="HND", kv_shape="split")
     warm.add_request("x", prompt)
     warm.run()
     assert warm.loaded_ok["x"] == 512

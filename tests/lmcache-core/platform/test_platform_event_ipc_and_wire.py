@@ -187,6 +187,70 @@ def test_wrap_moves_a_plain_cpu_tensor_into_shared_memory():
         w.unlink()
 
 
+def _peer_views(wrappers):
+    """What the server opens: each wrapper decoded from the wire and mapped anew."""
+    peers = [CpuShmTensorWrapper.from_wire(w.to_wire()) for w in wrappers]
+    for peer, w in zip(peers, wrappers, strict=True):
+        peer.restore_metadata(w.wire_metadata())
+    return peers, [p.to_tensor() for p in peers]
+
+
+def _vllm_style_layers(nbytes: int, num_layers: int = 4):
+    """vLLM >= 0.29: one int8 buffer, every layer a fused [NB, NH, BS, 2*HS] view of it."""
+    buf = torch.zeros(nbytes, dtype=torch.int8)
+    typed = buf.view(torch.float16)
+    per = typed.numel() // num_layers
+    return [typed[i * per : (i + 1) * per].view(-1, 2, 16, 32) for i in range(num_layers)]
+
+
+def test_wrap_shares_a_large_engine_buffer_in_place_once_for_all_layers():
+    """One segment for all layers of one buffer (not a copy per layer), mapped over the
+    engine's own memory: views the engine made BEFORE wrapping (vLLM's attention layers
+    hold such views) see the server's writes, and the server sees the engine's."""
+    from lmcache.v1.platform.devices.cpu.ipc_wrapper import REMAP_MIN_BYTES
+
+    layers = _vllm_style_layers(REMAP_MIN_BYTES + 3 * 8192)
+    engine_views = [t.as_strided(t.shape, t.stride(), t.storage_offset()) for t in layers]
+    engine_views[2][5, 1, 3, 7] = 7.0  # written before registration: must survive
+    ptrs = [t.data_ptr() for t in layers]
+    wrappers = [CpuShmTensorWrapper.wrap(t) for t in layers]
+    try:
+        assert len({w.shm_name for w in wrappers}) == 1
+        assert [t.data_ptr() for t in layers] == ptrs  # same addresses: nothing rebound
+        peers, server = _peer_views(wrappers)
+        assert server[2][5, 1, 3, 7].item() == 7.0
+        engine_views[1][9, 0, 1, 2] = 3.0
+        assert server[1][9, 0, 1, 2].item() == 3.0
+        server[3][0, 1, 2, 3] = 5.0
+        assert engine_views[3][0, 1, 2, 3].item() == 5.0
+        assert layers[3][0, 1, 2, 3].item() == 5.0
+        # registering again (a server restart) finds the same segment
+        assert CpuShmTensorWrapper.wrap(layers[0]).shm_name == wrappers[0].shm_name
+        del server
+        for p in peers:
+            p.close()
+    finally:
+        wrappers[0].unlink()
+
+
+def test_wrap_copies_a_small_buffer_once_and_moves_every_wrapped_layer_onto_it():
+    layers = _vllm_style_layers(1 << 18)
+    layers[1][2, 1, 0, 5] = 4.0
+    wrappers = [CpuShmTensorWrapper.wrap(t) for t in layers]
+    try:
+        assert len({w.shm_name for w in wrappers}) == 1  # one segment, not one per layer
+        assert wrappers[0].nbytes == 1 << 18
+        peers, server = _peer_views(wrappers)
+        assert server[1][2, 1, 0, 5].item() == 4.0
+        layers[0][1, 1, 1, 1] = 6.0  # the wrapped tensor objects now live in the segment
+        assert server[0][1, 1, 1, 1].item() == 6.0
+        del server
+        for p in peers:
+            p.close()
+    finally:
+        wrappers[0].unlink()
+
+
 def test_cpu_shm_wire_rejects_foreign_names_and_oversized_views():
     with pytest.raises(ValueError, match="invalid shm_name"):
         CpuShmTensorWrapper.from_wire({"shm_name": "/etc_passwd", "nbytes": 10})

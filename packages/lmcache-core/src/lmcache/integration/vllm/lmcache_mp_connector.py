@@ -23,6 +23,7 @@ from lmcache.integration.vllm.vllm_base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     SupportsHMA,
 )
 from lmcache.utils import init_logger
@@ -187,8 +188,8 @@ class LMCacheMPConnector(*_BASES):  # type: ignore[misc]
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker().take_load_errors()
 
-    def get_transfer_results(self, finished_req_ids: set[str]) -> dict[str, set[str]]:
-        """Multi-group models: ``finished_sending``, ``finished_recving`` and ``failed_recving``."""
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """vLLM's ``KVConnectorTransferResults``: finished sends and receives, failed receives."""
         return self._worker().get_transfer_results(finished_req_ids)
 
     def get_kv_connector_kv_cache_events(self) -> Any:

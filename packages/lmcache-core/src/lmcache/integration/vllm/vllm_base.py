@@ -14,6 +14,7 @@ import enum
 import importlib.util
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
 from lmcache.utils import init_logger
@@ -39,6 +40,19 @@ def _import_vllm_base():
 
 
 _vllm_base = _import_vllm_base()
+
+
+@dataclass
+class _TransferResults:
+    """vLLM's ``KVConnectorTransferResults`` (same fields), for a vLLM that lacks it."""
+
+    finished_sending: set[str] = field(default_factory=set)
+    finished_recving: set[str] = field(default_factory=set)
+    failed_recving: set[str] = field(default_factory=set)
+
+
+# What ``get_transfer_results`` returns: vLLM reads these attributes (a dict would fail).
+KVConnectorTransferResults = getattr(_vllm_base, "KVConnectorTransferResults", _TransferResults)
 
 if _vllm_base is not None:
     KVConnectorBase_V1 = _vllm_base.KVConnectorBase_V1
@@ -185,5 +199,6 @@ __all__ = [
     "KVConnectorBase_V1",
     "KVConnectorMetadata",
     "KVConnectorRole",
+    "KVConnectorTransferResults",
     "SupportsHMA",
 ]

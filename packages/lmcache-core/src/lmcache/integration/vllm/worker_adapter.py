@@ -31,6 +31,7 @@ from lmcache.integration.vllm.mp_ops import LMCacheMPRequestMetadata
 from lmcache.integration.vllm.parallel_strategy import ParallelStrategy
 from lmcache.integration.vllm.scheduler_adapter import check_chunk_size
 from lmcache.integration.vllm.server_link import ServerLink
+from lmcache.integration.vllm.vllm_base import KVConnectorTransferResults
 from lmcache.utils import init_logger
 from lmcache.v1.multiprocess.protocol import IPCCacheServerKey
 
@@ -140,7 +141,10 @@ class LMCacheMPWorkerAdapter:
             "tokens_per_block": self.groups[0].tokens_per_block,
         }
         shape = tuple(getattr(first, "shape", ()))
-        if len(shape) == 5:
+        if len(shape) == 4:  # vLLM's fused [NB, NH, BS, 2*HS] (HND) / [NB, BS, NH, 2*HS]
+            heads_dim = 1 if self.kv_layout == "HND" else 2
+            hints["num_kv_heads"], hints["head_dim"] = int(shape[heads_dim]), int(shape[3]) // 2
+        elif len(shape) == 5:
             heads_dim = 2 if self.kv_layout == "HND" else 3
             hints["num_kv_heads"], hints["head_dim"] = int(shape[heads_dim]), int(shape[4])
         elif len(shape) == 3:
@@ -310,9 +314,13 @@ class LMCacheMPWorkerAdapter:
         sending, recving, _ = self._collect(finished_req_ids)
         return (sending or None), (recving or None)
 
-    def get_transfer_results(self, finished_req_ids: set[str]) -> dict[str, set[str]]:
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """vLLM's ``KVConnectorTransferResults``: like ``get_finished`` plus the failed loads
+        (also in ``finished_recving``, so the scheduler releases them)."""
         sending, recving, failed = self._collect(finished_req_ids)
-        return {"finished_sending": sending, "finished_recving": recving, "failed_recving": failed}
+        return KVConnectorTransferResults(
+            finished_sending=sending, finished_recving=recving, failed_recving=failed
+        )
 
     def _collect(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
         with self._lock:

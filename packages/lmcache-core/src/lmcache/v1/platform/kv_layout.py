@@ -32,6 +32,9 @@ def detect_engine_kv_format(layer: Any, layout_hint: Any = None) -> EngineKVForm
     shape = tuple(layer.shape)
     if len(shape) == 3:
         return F.NL_X_NB_BS_HS
+    if len(shape) == 4:
+        # vLLM >= 0.29: every layer a [NB, H, N, C] view of one buffer, K/V fused in C
+        return F.NL_X_NB_NH_BS_CS if hnd else F.NL_X_NB_BS_NH_CS
     if len(shape) == 5 and shape[0] == 2:
         return F.NL_X_TWO_NB_NH_BS_HS if hnd else F.NL_X_TWO_NB_BS_NH_HS
     if len(shape) == 5 and shape[1] == 2:
@@ -40,7 +43,8 @@ def detect_engine_kv_format(layer: Any, layout_hint: Any = None) -> EngineKVForm
         return F.NL_X_TWO_NB_NH_ONE_BS_HS
     raise ValueError(
         f"cannot detect the KV-cache format of a layer of shape {list(shape)}; expected "
-        "[2, NB, BS, NH, HS], [NB, 2, BS, NH, HS], their HND variants, or MLA [NB, BS, HS]"
+        "vLLM's fused [NB, BS, NH, 2*HS], [2, NB, BS, NH, HS], [NB, 2, BS, NH, HS], their "
+        "HND variants, or MLA [NB, BS, HS]"
     )
 
 
@@ -62,6 +66,10 @@ def shape_desc_for(layer: Any, fmt: Any, num_layers: int) -> PageBufferShapeDesc
         nb, nh, bs, hs = s[1], s[2], s[4], s[5]
     elif fmt in (F.NL_X_NB_BS_HS, F.NL_X_NB_BSV_BSS):
         kv, nb, bs, nh, hs = 1, s[0], s[1], 1, s[2]
+    elif fmt == F.NL_X_NB_NH_BS_CS:  # one fused K/V plane: hs is its width, 2 * head_size
+        kv, nb, nh, bs, hs = 1, s[0], s[1], s[2], s[3]
+    elif fmt == F.NL_X_NB_BS_NH_CS:
+        kv, nb, bs, nh, hs = 1, s[0], s[1], s[2], s[3]
     elif fmt == F.NL_X_TWO_X_NB_BS_NH_HS:
         nb, bs, nh, hs = s[0], s[1], s[2], s[3]
     else:

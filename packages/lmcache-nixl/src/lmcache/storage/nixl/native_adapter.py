@@ -34,9 +34,10 @@ class NixlNativeL2Adapter(NativeConnectorL2Adapter):
     def __init__(self, config: NixlNativeL2AdapterConfig, l1_memory_desc: Any) -> None:
         arena = Arena(l1_memory_desc, "nixl_native")
         self._cfg = config
-        self._health = Health(logger, f"nixl_native ({config.backend})")
+        # NIXL's own errors (the base class keeps a HealthTracker of its own in _health)
+        self._nixl_health = Health(logger, f"nixl_native ({config.backend})")
         connector = open_connector(
-            config.backend, config.backend_params, config.num_workers, arena, self._health
+            config.backend, config.backend_params, config.num_workers, arena, self._nixl_health
         )
         try:
             if config.eviction_config is not None and not connector.supports_delete:
@@ -129,8 +130,10 @@ class NixlNativeL2Adapter(NativeConnectorL2Adapter):
 
     def report_status(self) -> dict[str, Any]:
         status = super().report_status()
-        health = self._health.snapshot(alive=bool(status["is_healthy"]))
-        status.update(health)
+        # NIXL tells a backend failure from a caller's bad buffer; the base class's tracker
+        # counts every failed task, so NIXL's verdict decides.
+        nixl = self._nixl_health.snapshot(alive=self._thread.is_alive() and not self._closed)
+        status.update({k: v for k, v in nixl.items() if v is not None})
         return status
 
 

@@ -4,7 +4,8 @@ Both functions run on the platform's ``multi_layer_block_kv_transfer`` resolved 
 KV tensor's own device (``resolve_device_ops(t.device.type)``), and produce/consume the
 canonical host chunk of platform.md 1.4: ``[2, L, T, NH*HS]`` (``[L, T, HS]`` for MLA).
 
-``kv_caches`` is a list of per-layer tensors in a vLLM layout: NHD ``[2, NB, BS, NH, HS]``,
+``kv_caches`` is a list of per-layer tensors in a vLLM layout: vLLM >= 0.29's fused views
+``[NB, NH, BS, 2*HS]`` (HND) / ``[NB, BS, NH, 2*HS]`` (NHD), NHD ``[2, NB, BS, NH, HS]``,
 HND ``[2, NB, NH, BS, HS]`` (pass ``layout_hints={"kv_layout": "HND"}``), flashinfer
 ``[NB, 2, BS, NH, HS]`` / ``[NB, 2, NH, BS, HS]`` or MLA ``[NB, BS, HS]``.
 """
@@ -17,10 +18,12 @@ from typing import Any
 import torch
 
 from lmcache.utils import init_logger
+from lmcache.v1.platform.kv_layout import detect_engine_kv_format, shape_desc_for
 from lmcache.v1.platform.ops_types import (
     EngineKVFormat,
     PageBufferShapeDesc,
     TransferDirection,
+    kv_size_of,
 )
 
 logger = init_logger(__name__)
@@ -44,7 +47,9 @@ class KVGeometry:
 
     @property
     def kv_size(self) -> int:
-        return 1 if self.fmt == EngineKVFormat.NL_X_NB_BS_HS else 2
+        """Planes per chunk: 2 (K and V), or 1 for MLA and for fused formats, whose one
+        plane holds K and V together (``head_size`` is then the fused width, 2 * HS)."""
+        return kv_size_of(self.fmt)
 
     @property
     def hidden_dim(self) -> int:
@@ -73,47 +78,22 @@ def kv_geometry(
     layout_hints: dict[str, Any] | None = None,
     engine_kv_format: Any = None,
 ) -> KVGeometry:
-    """Detect the engine layout of per-layer KV tensors (NHD unless hinted HND)."""
+    """The engine layout of per-layer KV tensors (the layout hint decides NHD vs HND)."""
     if not kv_caches:
         raise ValueError("kv_caches is empty")
     t = kv_caches[0]
     hint = str((layout_hints or {}).get("kv_layout") or "NHD").upper()
-    nl = len(kv_caches)
     if engine_kv_format is not None:
         fmt = EngineKVFormat(int(engine_kv_format))
-    elif t.dim() == 3:
-        fmt = EngineKVFormat.NL_X_NB_BS_HS
-    elif t.dim() == 5 and t.shape[0] == 2:
-        fmt = (
-            EngineKVFormat.NL_X_TWO_NB_NH_BS_HS
-            if hint == "HND"
-            else EngineKVFormat.NL_X_TWO_NB_BS_NH_HS
-        )
-    elif t.dim() == 5 and t.shape[1] == 2:
-        fmt = (
-            EngineKVFormat.NL_X_NB_TWO_NH_BS_HS
-            if hint == "HND"
-            else EngineKVFormat.NL_X_NB_TWO_BS_NH_HS
-        )
     else:
+        fmt = detect_engine_kv_format(t, hint)
+    try:
+        sd = shape_desc_for(t, fmt, len(kv_caches))
+    except ValueError:
         raise ValueError(
-            f"unsupported KV cache tensor shape {tuple(t.shape)}: expected NHD/HND "
-            "[2, NB, BS, NH, HS], flashinfer [NB, 2, ...] or MLA [NB, BS, HS]"
-        )
-    s = t.shape
-    if fmt == EngineKVFormat.NL_X_NB_BS_HS:
-        nb, bs, nh, hs = s[0], s[1], 1, s[2]
-    elif fmt == EngineKVFormat.NL_X_TWO_NB_BS_NH_HS:
-        nb, bs, nh, hs = s[1], s[2], s[3], s[4]
-    elif fmt == EngineKVFormat.NL_X_TWO_NB_NH_BS_HS:
-        nb, nh, bs, hs = s[1], s[2], s[3], s[4]
-    elif fmt == EngineKVFormat.NL_X_NB_TWO_BS_NH_HS:
-        nb, bs, nh, hs = s[0], s[2], s[3], s[4]
-    elif fmt == EngineKVFormat.NL_X_NB_TWO_NH_BS_HS:
-        nb, nh, bs, hs = s[0], s[2], s[3], s[4]
-    else:
-        raise ValueError(f"engine_kv_format {fmt.name} is not supported by the MP copy path")
-    return KVGeometry(fmt, nl, int(nb), int(bs), int(nh), int(hs), t.dtype)
+            f"engine_kv_format {fmt.name} is not supported by the MP copy path"
+        ) from None
+    return KVGeometry(fmt, sd.nl, sd.nb, sd.bs, max(1, sd.nh), sd.hs, t.dtype)
 
 
 def _ops_for(t: torch.Tensor) -> Any:

@@ -1,18 +1,35 @@
 """``CpuShmTensorWrapper`` (wire tag ``cpu_shm``): CPU KV tensors shared through POSIX SHM.
 
-The worker's KV tensor must live in a named segment ``/lmcache_kv_*``. Tensors made by
-:func:`create_shm_tensor` already do; ``wrap`` moves any other CPU tensor's storage into a
-new segment in place (``Tensor.set_``), so later engine writes through that tensor
-object are seen by the server. The creating process unlinks its segments
-(:meth:`CpuShmTensorWrapper.unlink`, or at exit).
+The server reads and writes a worker's CPU KV cache through a named segment
+``/lmcache_kv_*``. Tensors made by :func:`create_shm_tensor` already live in one. For
+any other tensor, ``wrap`` puts the memory of the tensor's whole storage into a segment
+ONCE, however many tensors view it (vLLM views one buffer as every layer's cache):
+
+* a storage of at least ``REMAP_MIN_BYTES`` is remapped in place: its pages are copied
+  into the segment and the segment is mapped over the same addresses (``MAP_FIXED``),
+  slice by slice, so at most one slice is held twice. Every tensor over that memory,
+  including the views the engine made for itself (vLLM's attention layers hold their
+  own), sees the server's writes without being told. Allocations this large are whole
+  mappings of their own (glibc's ``mmap`` threshold is at most 32 MiB; tcmalloc and
+  jemalloc give large objects whole pages), so no unrelated object shares the pages;
+  A storage of whole pages (page-aligned start and end) is remapped in place too;
+* any other storage (small ones: tests, toy models) may share its first and last page
+  with other heap objects, so it is copied into a new segment and every tensor passed to
+  ``wrap`` over it is moved there (``Tensor.set_``); views made before keep the old memory.
+
+The creating process unlinks its segments (:meth:`CpuShmTensorWrapper.unlink`, or at exit).
 """
 
 from __future__ import annotations
 
 import atexit
+import ctypes
+import mmap
 import os
+import sys
 import threading
 import uuid
+from dataclasses import dataclass
 from multiprocessing import shared_memory
 from typing import Any, ClassVar
 
@@ -24,10 +41,30 @@ from lmcache.v1.platform.base.ipc_wrapper import DeviceIPCWrapper
 logger = init_logger(__name__)
 
 SHM_PREFIX = "/lmcache_kv_"
+# Storages at least this large are shared in place (see the module docstring).
+REMAP_MIN_BYTES = 32 << 20
+_REMAP_SLICE_BYTES = 64 << 20
+_PAGE = mmap.PAGESIZE
+_MAP_FIXED = getattr(mmap, "MAP_FIXED", 0x10)  # Python < 3.13 does not export it
+
+
+@dataclass
+class _Segment:
+    name: str  # with the leading "/"
+    base: int  # address of the segment's first byte in this process
+    nbytes: int
+    shm: shared_memory.SharedMemory
+    in_place: bool  # mapped over the engine's own memory (MAP_FIXED)
+    storage: torch.UntypedStorage | None = None  # the copy's storage (copied segments)
+
+    def contains(self, ptr: int, nbytes: int) -> bool:
+        return self.base <= ptr and ptr + nbytes <= self.base + self.nbytes
+
 
 _lock = threading.Lock()
-# storage data_ptr -> (segment name with "/", nbytes, SharedMemory kept open by the owner)
-_owned: dict[int, tuple[str, int, shared_memory.SharedMemory]] = {}
+_segments: list[_Segment] = []  # segments this process created (and unlinks)
+# copied segments by the data_ptr of the storage they replaced: later layers over it follow
+_moved: dict[int, _Segment] = {}
 
 
 def _new_segment(nbytes: int) -> shared_memory.SharedMemory:
@@ -51,15 +88,144 @@ def create_shm_tensor(shape: Any, dtype: torch.dtype) -> torch.Tensor:
     storage = _segment_storage(shm, nbytes)
     t = torch.empty(0, dtype=dtype)
     t.set_(storage, 0, shape)
+    seg = _Segment("/" + shm.name.lstrip("/"), storage.data_ptr(), nbytes, shm, False, storage)
     with _lock:
-        _owned[storage.data_ptr()] = ("/" + shm.name.lstrip("/"), nbytes, shm)
+        _segments.append(seg)
     return t
 
 
-def shm_segment_of(tensor: torch.Tensor) -> tuple[str, int] | None:
+def _mapped_path(addr: int) -> str | None:
+    """The file mapped at ``addr`` in this process (``/proc/self/maps``), None if none."""
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                parts = line.split(maxsplit=5)
+                lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                if lo <= addr < hi:
+                    return parts[5].strip() if len(parts) > 5 else None
+    except OSError:
+        return None
+    return None
+
+
+def _live(seg: _Segment) -> bool:
+    """An in-place segment stays valid while it is still mapped where we put it: the engine
+    may free its buffer (unmapping ours) and get new memory at the same address."""
+    if not seg.in_place:
+        return True
+    path = _mapped_path(seg.base) or ""
+    return path.removesuffix(" (deleted)") == "/dev/shm" + seg.name
+
+
+def _segment_of(ptr: int, nbytes: int) -> _Segment | None:
     with _lock:
-        entry = _owned.get(tensor.untyped_storage().data_ptr())
-    return (entry[0], entry[1]) if entry else None
+        candidates = [s for s in _segments if s.contains(ptr, nbytes)] + (
+            [_moved[ptr]] if ptr in _moved else []
+        )
+    for seg in candidates:
+        if _live(seg):
+            return seg
+    return None
+
+
+def shm_segment_of(tensor: torch.Tensor) -> tuple[str, int] | None:
+    """(segment name, segment bytes) of the segment holding ``tensor``'s storage, if any."""
+    storage = tensor.untyped_storage()
+    seg = _segment_of(storage.data_ptr(), storage.nbytes())
+    return (
+        (seg.name, seg.nbytes)
+        if seg is not None and seg.contains(storage.data_ptr(), storage.nbytes())
+        else None
+    )
+
+
+def _libc_mmap() -> Any:
+    libc = ctypes.CDLL(None, use_errno=True)
+    fn = libc.mmap
+    fn.restype = ctypes.c_void_p
+    fn.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_long,
+    ]
+    return fn
+
+
+def _share_in_place(ptr: int, nbytes: int) -> _Segment:
+    """Put the pages under ``[ptr, ptr + nbytes)`` into a new segment at the same address."""
+    base = ptr - ptr % _PAGE
+    end = -(-(ptr + nbytes) // _PAGE) * _PAGE
+    size = end - base
+    shm = _new_segment(size)
+    name = "/" + shm.name.lstrip("/")
+    try:
+        fd = os.open("/dev/shm" + name, os.O_RDWR)
+    except OSError:
+        shm.close()
+        shm.unlink()
+        raise
+    mmap_fn = _libc_mmap()
+    seg_addr = ctypes.addressof(ctypes.c_char.from_buffer(shm.buf))
+    seg = _Segment(name, base, size, shm, True)
+    done = 0
+    try:
+        while done < size:
+            n = min(_REMAP_SLICE_BYTES, size - done)
+            ctypes.memmove(seg_addr + done, base + done, n)
+            flags = mmap.MAP_SHARED | _MAP_FIXED
+            got = mmap_fn(base + done, n, mmap.PROT_READ | mmap.PROT_WRITE, flags, fd, done)
+            if got != base + done:
+                err = ctypes.get_errno()
+                raise OSError(err, f"mmap over the CPU KV buffer failed: {os.strerror(err)}")
+            done += n
+    except BaseException:
+        if done == 0:  # nothing remapped: the engine's memory is untouched
+            shm.close()
+            shm.unlink()
+        else:  # remapped slices live in the segment (same bytes): unlink it at exit
+            with _lock:
+                _segments.append(seg)
+        raise
+    finally:
+        os.close(fd)
+    shm.close()  # drops only our second view of the segment; [base, end) keeps its mapping
+    with _lock:
+        _segments.append(seg)
+    logger.info("shared a CPU KV buffer of %d bytes in place through /dev/shm%s", nbytes, name)
+    return seg
+
+
+def _copy_into_segment(tensor: torch.Tensor) -> _Segment:
+    storage = tensor.untyped_storage()
+    old_ptr, nbytes = storage.data_ptr(), storage.nbytes()
+    shm = _new_segment(nbytes)
+    new_storage = _segment_storage(shm, nbytes)
+    new_storage.copy_(storage)
+    seg = _Segment(
+        "/" + shm.name.lstrip("/"), new_storage.data_ptr(), nbytes, shm, False, new_storage
+    )
+    with _lock:
+        _segments.append(seg)
+        _moved[old_ptr] = seg
+    logger.info("copied a CPU KV buffer (%d bytes) into shared memory %s", nbytes, seg.name)
+    return seg
+
+
+def _segment_for(tensor: torch.Tensor) -> _Segment:
+    storage = tensor.untyped_storage()
+    ptr, nbytes = storage.data_ptr(), storage.nbytes()
+    seg = _segment_of(ptr, nbytes)
+    if seg is None:
+        whole_pages = ptr % _PAGE == 0 and (ptr + nbytes) % _PAGE == 0
+        in_place = sys.platform.startswith("linux") and (nbytes >= REMAP_MIN_BYTES or whole_pages)
+        seg = _share_in_place(ptr, nbytes) if in_place else _copy_into_segment(tensor)
+    if not seg.contains(ptr, nbytes):  # copied: move this tensor onto the copy
+        assert seg.storage is not None
+        tensor.set_(seg.storage, tensor.storage_offset(), tensor.shape, tensor.stride())
+    return seg
 
 
 def _unlink_name(name: str) -> None:
@@ -76,11 +242,12 @@ def _unlink_name(name: str) -> None:
 @atexit.register
 def _unlink_all_owned() -> None:
     with _lock:
-        entries = list(_owned.values())
-        _owned.clear()
-    for _name, _n, shm in entries:
+        entries = list(_segments)
+        _segments.clear()
+        _moved.clear()
+    for seg in entries:
         try:
-            shm.unlink()
+            seg.shm.unlink()
         except Exception:
             pass
 
@@ -102,19 +269,17 @@ class CpuShmTensorWrapper(DeviceIPCWrapper):
             raise ValueError(f"cpu_shm wraps one CPU tensor per layer, got {type(tensor).__name__}")
         if tensor.device.type != "cpu":
             raise ValueError(f"cpu_shm wraps CPU tensors, got a tensor on {tensor.device}")
-        found = shm_segment_of(tensor)
-        if found is None:
-            storage = tensor.untyped_storage()
-            nbytes = storage.nbytes()
-            shm = _new_segment(nbytes)
-            new_storage = _segment_storage(shm, nbytes)
-            new_storage.copy_(storage)
-            tensor.set_(new_storage, tensor.storage_offset(), tensor.shape, tensor.stride())
-            with _lock:
-                _owned[new_storage.data_ptr()] = ("/" + shm.name.lstrip("/"), nbytes, shm)
-            logger.info("moved a CPU KV tensor (%d bytes) into shared memory /%s", nbytes, shm.name)
-            found = ("/" + shm.name.lstrip("/"), nbytes)
-        return cls(tensor, shm_name=found[0], nbytes=found[1])
+        seg = _segment_for(tensor)
+        wrapper = cls(tensor, shm_name=seg.name, nbytes=seg.nbytes)
+        # Offsets on the wire count from the segment's start, not the storage's.
+        delta = tensor.untyped_storage().data_ptr() - seg.base
+        if delta % tensor.element_size():
+            raise ValueError(
+                f"cpu_shm: a {tensor.dtype} tensor whose storage starts {delta} bytes into its "
+                "segment cannot be addressed in elements; allocate it element-aligned"
+            )
+        wrapper.storage_offset = tensor.storage_offset() + delta // tensor.element_size()
+        return wrapper
 
     def to_tensor(self) -> torch.Tensor:
         md = self.wire_metadata()
@@ -124,7 +289,7 @@ class CpuShmTensorWrapper(DeviceIPCWrapper):
             from lmcache.v1.platform.torch_ops._memory import untrack_shm
 
             with _lock:
-                ours = any(name == self.shm_name for name, _n, _s in _owned.values())
+                ours = any(seg.name == self.shm_name for seg in _segments)
             if not ours:
                 untrack_shm(shm)  # the creating process owns (and unlinks) the segment
             if shm.size < self.nbytes:
@@ -149,15 +314,18 @@ class CpuShmTensorWrapper(DeviceIPCWrapper):
     def unlink(self) -> None:
         """Remove the segment (the creating process's job)."""
         with _lock:
-            for key, (name, _n, shm) in list(_owned.items()):
-                if name == self.shm_name:
-                    del _owned[key]
-                    try:
-                        shm.unlink()
-                    except FileNotFoundError:
-                        pass
-                    return
-        _unlink_name(self.shm_name)
+            mine = [seg for seg in _segments if seg.name == self.shm_name]
+            for seg in mine:
+                _segments.remove(seg)
+            for old_ptr in [p for p, seg in _moved.items() if seg.name == self.shm_name]:
+                del _moved[old_ptr]
+        if not mine:
+            _unlink_name(self.shm_name)
+        for seg in mine:
+            try:
+                seg.shm.unlink()
+            except FileNotFoundError:
+                pass
 
     def to_wire(self) -> dict[str, Any]:
         return {"shm_name": self.shm_name, "nbytes": self.nbytes}

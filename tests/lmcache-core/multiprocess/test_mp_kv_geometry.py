@@ -1,0 +1,56 @@
+"""KV layouts as vLLM really passes them: vLLM >= 0.29 hands every layer as a 4-D
+``[NB, H, N, C]`` view of ONE shared buffer, K and V fused in C (2 * head_size)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lmcache.v1.multiprocess.transfer_context.base import (
+    gather_paged_kv_to_cpu,
+    kv_geometry,
+    scatter_cpu_to_paged_kv,
+)
+from lmcache.v1.platform.ops_types import EngineKVFormat
+
+NL, NB, NH, BS, HS = 3, 12, 2, 16, 8
+
+
+def vllm_fused_layers(hnd: bool) -> list[torch.Tensor]:
+    per_layer = NB * NH * BS * 2 * HS
+    buf = torch.randn(NL * per_layer).to(torch.bfloat16)
+    shape = (NB, NH, BS, 2 * HS) if hnd else (NB, BS, NH, 2 * HS)
+    return [buf[i * per_layer : (i + 1) * per_layer].view(shape) for i in range(NL)]
+
+
+@pytest.mark.parametrize(
+    ("hint", "fmt"),
+    [("HND", EngineKVFormat.NL_X_NB_NH_BS_CS), ("NHD", EngineKVFormat.NL_X_NB_BS_NH_CS)],
+)
+def test_fused_rank4_views_are_detected_with_their_geometry(hint, fmt):
+    geo = kv_geometry(vllm_fused_layers(hint == "HND"), {"kv_layout": hint})
+    assert geo.fmt == fmt
+    assert (geo.num_layers, geo.num_blocks, geo.block_size, geo.num_heads) == (NL, NB, BS, NH)
+    assert geo.head_size == 2 * HS  # one fused plane as wide as K and V together
+    assert geo.kv_size == 1
+    # a chunk holds exactly the bytes of its blocks: the same as split K/V would
+    assert geo.chunk_shape(2 * BS) == (NL, 2 * BS, NH * 2 * HS)
+
+
+@pytest.mark.parametrize("hint", ["HND", "NHD"])
+def test_fused_rank4_round_trip_touches_only_the_chosen_blocks(hint):
+    src = vllm_fused_layers(hint == "HND")
+    ids = [3, 7, 1, 10]
+    chunks = gather_paged_kv_to_cpu(src, ids, 2, {"kv_layout": hint})
+    assert [tuple(c.shape) for c in chunks] == [(NL, 2 * BS, NH * 2 * HS)] * 2
+    dst = [torch.zeros_like(t) for t in src]
+    scatter_cpu_to_paged_kv(dst, ids, chunks, 2, 0, {"kv_layout": hint})
+    others = [b for b in range(NB) if b not in ids]
+    for a, b in zip(src, dst, strict=True):
+        assert torch.equal(a[ids], b[ids])
+        assert not b[others].any()
+
+
+def test_unsupported_rank_names_the_shapes_vllm_passes():
+    with pytest.raises(ValueError, match=r"fused \[NB, BS, NH, 2\*HS\]"):
+        kv_geometry([torch.zeros(2, 2)])
