@@ -12,6 +12,8 @@ The spec (JSON):
   "transfer_mode": "engine_driven" | "lmcache_driven"}`` (more ``lmcache.mp.*`` keys in
   ``extra``);
 * ``prefix_caching``: vLLM's own prefix cache (default false: every hit is ours);
+* ``server_http``: the server's HTTP URL: each request then reports what the server's
+  counters did during it (``chunks_loaded``, ``lookup_hit_tokens``, ``l1_write_chunks``);
 * ``max_model_len``, ``dtype`` (optional);
 * ``requests``: ``[{"label", "tokens": [ids], "max_tokens": 1, "logprobs": 0,
   "wait_stored_chunks": {"http_url", "at_least"}}]``, run one after another; the wait
@@ -55,13 +57,26 @@ def kv_transfer_config(connector: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def stored_chunks(http_url: str) -> float:
+COUNTERS = (
+    "lmcache_mp_l1_write_chunks_total",
+    "lmcache_mp_num_chunks_loaded_total",
+    "lmcache_mp_lookup_hit_tokens_total",
+)
+
+
+def server_counters(http_url: str) -> dict[str, float]:
+    """Totals (over all label sets) of the server counters a run reports, from ``/metrics``."""
     with urllib.request.urlopen(http_url.rstrip("/") + "/metrics", timeout=5) as r:
         text = r.read().decode()
-    total = 0.0
-    for m in re.finditer(r"^lmcache_mp_l1_write_chunks_total(?:\{[^}]*\})? (\S+)$", text, re.M):
-        total += float(m.group(1))
-    return total
+    totals = dict.fromkeys(COUNTERS, 0.0)
+    for m in re.finditer(r"^(lmcache_mp_\w+_total)(?:\{[^}]*\})? (\S+)$", text, re.M):
+        if m.group(1) in totals:
+            totals[m.group(1)] += float(m.group(2))
+    return totals
+
+
+def stored_chunks(http_url: str) -> float:
+    return server_counters(http_url)["lmcache_mp_l1_write_chunks_total"]
 
 
 def wait_stored(http_url: str, at_least: float, timeout: float = 60.0) -> None:
@@ -102,6 +117,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             logprobs=int(req.get("logprobs", 0)) or None,
             ignore_eos=True,
         )
+        http_url = spec.get("server_http")
+        before = server_counters(http_url) if http_url else {}
         t0 = time.perf_counter()
         result = llm.generate(
             [TokensPrompt(prompt_token_ids=list(req["tokens"]))], params, use_tqdm=False
@@ -122,6 +139,14 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
                 "token_ids": list(completion.token_ids),
                 "logprobs": logprobs,
                 "seconds": seconds,
+                # prompt tokens vLLM's own prefix cache supplied (None where vLLM omits it)
+                "num_cached_tokens": getattr(result, "num_cached_tokens", None),
+                # what the server did meanwhile: loads are done before vLLM computes, so
+                # chunks_loaded is final; stores finish later (see wait_stored_chunks)
+                "server": {
+                    name.removeprefix("lmcache_mp_").removesuffix("_total"): now - before[name]
+                    for name, now in (server_counters(http_url) if http_url else {}).items()
+                },
             }
         )
     return {"startup_s": startup_s, "requests": out}

