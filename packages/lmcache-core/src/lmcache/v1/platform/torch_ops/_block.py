@@ -727,8 +727,12 @@ def _scatter(layout: _Layout, host: torch.Tensor, idx: torch.Tensor, nblk: int, 
     for p in layout.planes:
         src = _rows(host, p, t0, nt).unflatten(0, (nblk, layout.bs))
         if p.hnd:
+            # index_copy_ from the permuted rows costs per (2-byte) element: lay the blocks
+            # out in the engine's order first, then copy them as wide elements.
             nh, x = p.view.shape[1], p.view.shape[3]
-            p.view.index_copy_(0, idx, src.unflatten(2, (nh, x)).permute(0, 2, 1, 3))
+            blocks = src.unflatten(2, (nh, x)).permute(0, 2, 1, 3).contiguous()
+            dst, blocks = _as_carrier(p.view, blocks)
+            dst.index_copy_(0, idx, blocks)
         else:
             dst, src = _as_carrier(p.view, src)
             dst.index_copy_(0, idx, src)
