@@ -447,13 +447,39 @@ def parse_l1_manager_json(text: str) -> L1ManagerConfig:
 
 
 def parse_args_to_storage_manager_config(args: argparse.Namespace) -> StorageManagerConfig:
-    """Build a ``StorageManagerConfig`` from parsed flags (see the module docstring)."""
-    from lmcache.v1.distributed.l2_adapters.config import (
-        L2AdaptersConfig,
-        parse_args_to_l2_adapters_config,
+    """Build a ``StorageManagerConfig`` from parsed flags (see the module docstring).
+
+    One builder per section, each validating its own flags, in this order: TTLs and eviction
+    fractions, L1 (``--l1-manager`` JSON or the legacy flags), L2 limits, L2 adapters, L2
+    policies."""
+    watermark, ratio, write_ttl, read_ttl = _l1_ttls_and_eviction_fractions(args)
+    l1_jsons = list(getattr(args, "l1_manager", None) or [])
+    if l1_jsons:
+        primary, extra = _l1_managers_from_json(args, l1_jsons)
+        eviction = primary.eviction_config
+        assert eviction is not None
+    else:
+        primary, eviction = _legacy_l1_manager(args, watermark, ratio, write_ttl, read_ttl)
+        extra = []
+    max_in_flight, interval, lookup_to, load_to = _l2_limits(args)
+    l2 = _l2_adapters(args)
+    store_policy, prefetch_policy = _l2_policies(args)
+    return StorageManagerConfig(
+        l1_manager_config=primary,
+        eviction_config=eviction,
+        l2_adapter_config=l2,
+        l2_store_policy=store_policy,
+        l2_prefetch_policy=prefetch_policy,
+        l2_prefetch_max_in_flight=max_in_flight,
+        periodic_notifier_interval_ms=interval,
+        l2_lookup_timeout_seconds=lookup_to,
+        l2_load_timeout_seconds=load_to,
+        extra_l1_manager_configs=extra,
     )
 
-    l1_jsons = list(getattr(args, "l1_manager", None) or [])
+
+def _l1_ttls_and_eviction_fractions(args: argparse.Namespace) -> tuple[float, float, Any, Any]:
+    """``(watermark, ratio, write_ttl, read_ttl)`` of the legacy flags, checked."""
     watermark = getattr(args, "eviction_trigger_watermark", 0.8)
     ratio = getattr(args, "eviction_ratio", 0.2)
     write_ttl = getattr(args, "l1_write_ttl_seconds", 600)
@@ -464,86 +490,93 @@ def parse_args_to_storage_manager_config(args: argparse.Namespace) -> StorageMan
     for name, v in (("--eviction-trigger-watermark", watermark), ("--eviction-ratio", ratio)):
         if not 0.0 <= v <= 1.0:
             raise ValueError(f"{name} must be a fraction in [0, 1] (got {v})")
+    return watermark, ratio, write_ttl, read_ttl
 
-    if l1_jsons:
-        legacy = [
-            f
-            for f, n in (
-                ("--l1-size-gb", "l1_size_gb"),
-                ("--eviction-policy", "eviction_policy"),
-                ("--l1-devdax-path", "l1_devdax_path"),
-                ("--gds-l1-path", "gds_l1_path"),
-            )
-            if getattr(args, n, None) is not None
-        ]
-        if legacy:
-            raise ValueError(
-                f"Use either --l1-manager or legacy L1 flags (got {', '.join(legacy)})"
-            )
-        managers = [parse_l1_manager_json(t) for t in l1_jsons]
-        tags = [m.tag for m in managers]
-        if len(set(tags)) != len(tags):
-            raise ValueError(f"--l1-manager tags must be distinct (got {tags})")
-        if not any(m.l1_type == "DRAM" for m in managers):
-            raise ValueError("--l1-manager: at least one DRAM L1 is required")
-        shm = [m.memory_config.shm_name for m in managers if m.memory_config.shm_name]
-        if len(set(shm)) != len(shm):
-            raise ValueError(f"DRAM L1 managers need distinct shm names (got {shm})")
-        managers.sort(key=lambda m: m.l1_type != "DRAM")
-        primary, extra = managers[0], managers[1:]
-        eviction = primary.eviction_config
-        assert eviction is not None
-    else:
-        size_gb = getattr(args, "l1_size_gb", None)
-        if size_gb is None:
-            size_gb = getattr(args, "l1_size_gb_default", None)
-        policy = getattr(args, "eviction_policy", None)
-        if policy is None:
-            policy = getattr(args, "eviction_policy_default", None)
-        if size_gb is None or policy is None:
-            raise ValueError("Legacy L1 configuration requires --l1-size-gb and --eviction-policy")
-        check_l1_size_gb(size_gb, "--l1-size-gb")
-        init_gb = getattr(args, "l1_init_size_gb", 20)
-        if not (isinstance(init_gb, int | float) and math.isfinite(init_gb) and init_gb >= 0):
-            raise ValueError(
-                f"--l1-init-size-gb must be a finite number of GiB >= 0 (got {init_gb!r})"
-            )
-        align = int(getattr(args, "l1_align_bytes", 4096))
-        if align <= 0 or align & (align - 1):
-            raise ValueError(f"--l1-align-bytes must be a power of two (got {align})")
-        shm_name = getattr(args, "shm_name", "") or ""
-        use_hugepages = bool(getattr(args, "l1_use_hugepages", False))
-        if use_hugepages and shm_name:
-            raise ValueError(
-                'l1-use-hugepages is incompatible with shared memory. Please set --shm-name "" '
-                "to disable SHM when enabling hugepages."
-            )
-        mem = L1MemoryManagerConfig(
-            size_in_bytes=int(size_gb * GiB),
-            use_lazy=bool(getattr(args, "l1_use_lazy", True)),
-            init_size_in_bytes=int(init_gb * GiB),
-            align_bytes=align,
-            shm_name=shm_name,
-            use_hugepages=use_hugepages,
-            devdax_path=getattr(args, "l1_devdax_path", None),
-            prefault=getattr(args, "l1_prefault", "all"),
-        )
-        eviction = EvictionConfig(policy, watermark, ratio)
-        gds_path = getattr(args, "gds_l1_path", None)
-        gds = (
-            {
-                "path": gds_path,
-                "use_direct_io": bool(getattr(args, "gds_l1_use_direct_io", True)),
-                "backend": getattr(args, "gds_l1_backend", "auto"),
-            }
-            if gds_path
-            else None
-        )
-        primary = L1ManagerConfig(
-            mem, gds_l1_config=gds, write_ttl_seconds=write_ttl, read_ttl_seconds=read_ttl
-        )
-        extra = []
 
+def _l1_managers_from_json(
+    args: argparse.Namespace, l1_jsons: list[str]
+) -> tuple[L1ManagerConfig, list[L1ManagerConfig]]:
+    """The primary (a DRAM) L1 and the others, from ``--l1-manager`` JSON objects."""
+    legacy = [
+        f
+        for f, n in (
+            ("--l1-size-gb", "l1_size_gb"),
+            ("--eviction-policy", "eviction_policy"),
+            ("--l1-devdax-path", "l1_devdax_path"),
+            ("--gds-l1-path", "gds_l1_path"),
+        )
+        if getattr(args, n, None) is not None
+    ]
+    if legacy:
+        raise ValueError(f"Use either --l1-manager or legacy L1 flags (got {', '.join(legacy)})")
+    managers = [parse_l1_manager_json(t) for t in l1_jsons]
+    tags = [m.tag for m in managers]
+    if len(set(tags)) != len(tags):
+        raise ValueError(f"--l1-manager tags must be distinct (got {tags})")
+    if not any(m.l1_type == "DRAM" for m in managers):
+        raise ValueError("--l1-manager: at least one DRAM L1 is required")
+    shm = [m.memory_config.shm_name for m in managers if m.memory_config.shm_name]
+    if len(set(shm)) != len(shm):
+        raise ValueError(f"DRAM L1 managers need distinct shm names (got {shm})")
+    managers.sort(key=lambda m: m.l1_type != "DRAM")
+    return managers[0], managers[1:]
+
+
+def _legacy_l1_manager(
+    args: argparse.Namespace, watermark: float, ratio: float, write_ttl: Any, read_ttl: Any
+) -> tuple[L1ManagerConfig, EvictionConfig]:
+    """The one L1 of the legacy flags (``--l1-size-gb``, ``--eviction-policy``, ...)."""
+    size_gb = getattr(args, "l1_size_gb", None)
+    if size_gb is None:
+        size_gb = getattr(args, "l1_size_gb_default", None)
+    policy = getattr(args, "eviction_policy", None)
+    if policy is None:
+        policy = getattr(args, "eviction_policy_default", None)
+    if size_gb is None or policy is None:
+        raise ValueError("Legacy L1 configuration requires --l1-size-gb and --eviction-policy")
+    check_l1_size_gb(size_gb, "--l1-size-gb")
+    init_gb = getattr(args, "l1_init_size_gb", 20)
+    if not (isinstance(init_gb, int | float) and math.isfinite(init_gb) and init_gb >= 0):
+        raise ValueError(f"--l1-init-size-gb must be a finite number of GiB >= 0 (got {init_gb!r})")
+    align = int(getattr(args, "l1_align_bytes", 4096))
+    if align <= 0 or align & (align - 1):
+        raise ValueError(f"--l1-align-bytes must be a power of two (got {align})")
+    shm_name = getattr(args, "shm_name", "") or ""
+    use_hugepages = bool(getattr(args, "l1_use_hugepages", False))
+    if use_hugepages and shm_name:
+        raise ValueError(
+            'l1-use-hugepages is incompatible with shared memory. Please set --shm-name "" '
+            "to disable SHM when enabling hugepages."
+        )
+    mem = L1MemoryManagerConfig(
+        size_in_bytes=int(size_gb * GiB),
+        use_lazy=bool(getattr(args, "l1_use_lazy", True)),
+        init_size_in_bytes=int(init_gb * GiB),
+        align_bytes=align,
+        shm_name=shm_name,
+        use_hugepages=use_hugepages,
+        devdax_path=getattr(args, "l1_devdax_path", None),
+        prefault=getattr(args, "l1_prefault", "all"),
+    )
+    eviction = EvictionConfig(policy, watermark, ratio)
+    gds_path = getattr(args, "gds_l1_path", None)
+    gds = (
+        {
+            "path": gds_path,
+            "use_direct_io": bool(getattr(args, "gds_l1_use_direct_io", True)),
+            "backend": getattr(args, "gds_l1_backend", "auto"),
+        }
+        if gds_path
+        else None
+    )
+    primary = L1ManagerConfig(
+        mem, gds_l1_config=gds, write_ttl_seconds=write_ttl, read_ttl_seconds=read_ttl
+    )
+    return primary, eviction
+
+
+def _l2_limits(args: argparse.Namespace) -> tuple[int, int, float, float]:
+    """``(prefetch max in flight, notifier interval ms, lookup timeout, load timeout)``."""
     max_in_flight = int(getattr(args, "l2_prefetch_max_in_flight", 8))
     if max_in_flight < 1:
         raise ValueError(f"--l2-prefetch-max-in-flight must be >= 1 (got {max_in_flight})")
@@ -554,12 +587,25 @@ def parse_args_to_storage_manager_config(args: argparse.Namespace) -> StorageMan
     load_to = float(getattr(args, "l2_load_timeout_seconds", 60.0))
     if lookup_to < 0 or load_to < 0:
         raise ValueError("--l2-lookup-timeout-seconds/--l2-load-timeout-seconds must be >= 0")
+    return max_in_flight, interval, lookup_to, load_to
 
-    l2 = (
+
+def _l2_adapters(args: argparse.Namespace) -> L2AdaptersConfig:
+    """The ``--l2-adapter`` list (none when the parser has no such flag)."""
+    from lmcache.v1.distributed.l2_adapters.config import (
+        L2AdaptersConfig,
+        parse_args_to_l2_adapters_config,
+    )
+
+    return (
         parse_args_to_l2_adapters_config(args)
         if hasattr(args, "l2_adapter")
         else L2AdaptersConfig(adapters=[])
     )
+
+
+def _l2_policies(args: argparse.Namespace) -> tuple[str, str]:
+    """``(store policy, prefetch policy)``, each one a registered name."""
     from lmcache.v1.distributed.storage_policies import (
         get_registered_prefetch_policies,
         get_registered_store_policies,
@@ -577,15 +623,4 @@ def parse_args_to_storage_manager_config(args: argparse.Namespace) -> StorageMan
             f"--l2-prefetch-policy: unknown policy {prefetch_policy!r}. "
             f"Known: {', '.join(sorted(get_registered_prefetch_policies()))}"
         )
-    return StorageManagerConfig(
-        l1_manager_config=primary,
-        eviction_config=eviction,
-        l2_adapter_config=l2,
-        l2_store_policy=store_policy,
-        l2_prefetch_policy=prefetch_policy,
-        l2_prefetch_max_in_flight=max_in_flight,
-        periodic_notifier_interval_ms=interval,
-        l2_lookup_timeout_seconds=lookup_to,
-        l2_load_timeout_seconds=load_to,
-        extra_l1_manager_configs=extra,
-    )
+    return store_policy, prefetch_policy

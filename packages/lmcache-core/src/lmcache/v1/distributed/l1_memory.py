@@ -34,9 +34,6 @@ Once L1 is full, evicted blocks are reused and nothing is left to fault.
 from __future__ import annotations
 
 import bisect
-import ctypes
-import errno
-import functools
 import mmap
 import os
 import sys
@@ -48,11 +45,19 @@ from typing import Any
 import torch
 
 from lmcache.utils import init_logger
+from lmcache.v1.distributed import page_residency
 from lmcache.v1.distributed.config import PREFAULT_MODES
 from lmcache.v1.distributed.internal_api import L1MemoryDesc
+from lmcache.v1.distributed.page_residency import lower_thread_priority, populate_write
 from lmcache.v1.memory_management import MemoryFormat, MemoryObjMetadata, TensorMemoryObj
 
 logger = init_logger(__name__)
+
+# The page helpers lived here before page_residency; their importers (worker_transfer, tests)
+# still find them here.
+_MADV_POPULATE_WRITE = page_residency._MADV_POPULATE_WRITE
+is_resident = page_residency.is_resident
+populate_read = page_residency.populate_read
 
 __all__ = [
     "SHM_PREFIX",
@@ -67,9 +72,6 @@ PIN_STEP = 64 << 20
 COMMIT_STEP = 1 << 30
 PREFAULT_HEADROOM = 256 << 20
 PREFAULT_STEP = 16 << 20
-# Linux 5.14+; Python's mmap module names it only from 3.12 on.
-_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23 if sys.platform == "linux" else None)
-_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22 if sys.platform == "linux" else None)
 HUGEPAGE_SIZE = 2 << 20
 _MAP_HUGETLB = getattr(mmap, "MAP_HUGETLB", 0x40000)
 # Python < 3.12 does not export it; 0x4000 is the Linux value.
@@ -353,60 +355,6 @@ def _fits_in_available_memory(size: int) -> bool:
         )
         return False
     return True
-
-
-@functools.cache
-def _libc() -> ctypes.CDLL:
-    return ctypes.CDLL(None, use_errno=True)
-
-
-def populate_write(ptr: int, length: int) -> None:
-    """Back and map the pages of [ptr, ptr + length) now, as writes would, in one kernel call
-    (``MADV_POPULATE_WRITE``) instead of one fault per 4 KiB page. ``ptr`` is rounded down to
-    a page. Runs without the GIL. Raises OSError where the kernel lacks it (before 5.14)."""
-    _populate(ptr, length, _MADV_POPULATE_WRITE, "MADV_POPULATE_WRITE")
-
-
-def populate_read(ptr: int, length: int) -> None:
-    """Map the pages of [ptr, ptr + length) of a shared mapping into this process now
-    (``MADV_POPULATE_READ``). For pages another process already backed this costs about half
-    of ``populate_write``: read faults map 16 neighbouring pages at once, and a shared tmpfs
-    mapping gets writable entries, so later writes fault no more. Holes are backed as a
-    fault would. Runs without the GIL; OSError before Linux 5.14."""
-    _populate(ptr, length, _MADV_POPULATE_READ, "MADV_POPULATE_READ")
-
-
-def lower_thread_priority() -> None:
-    """Give the calling thread the lowest CPU priority (nice 19; Linux only, where the nice
-    value is per thread). Page-filling threads call it: backing or mapping a pool ahead of use
-    should take CPU time that transfers leave idle, not slow the first transfers down on a
-    host with few cores. The kernel work of their madvise calls is charged to them too."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-    except (AttributeError, OSError):
-        pass  # not Linux, or not allowed: run at normal priority
-
-
-def is_resident(ptr: int, length: int) -> bool:
-    """Whether every page of [ptr, ptr + length) is in memory (``mincore``), without faulting
-    any in. For a shared mapping this tells whether its owner has backed those pages."""
-    start = ptr - ptr % mmap.PAGESIZE
-    n = length + ptr - start
-    vec = (ctypes.c_ubyte * (-(-n // mmap.PAGESIZE)))()
-    if _libc().mincore(ctypes.c_void_p(start), ctypes.c_size_t(n), vec):
-        err = ctypes.get_errno()
-        raise OSError(err, f"mincore: {os.strerror(err)}")
-    raw = bytes(vec)
-    return raw.count(1) == len(raw)
-
-
-def _populate(ptr: int, length: int, advice: int | None, what: str) -> None:
-    if advice is None:
-        raise OSError(errno.ENOSYS, f"{what} is Linux-only")
-    start = ptr - ptr % mmap.PAGESIZE
-    if _libc().madvise(ctypes.c_void_p(start), ctypes.c_size_t(length + ptr - start), advice):
-        err = ctypes.get_errno()
-        raise OSError(err, f"madvise({what}): {os.strerror(err)}")
 
 
 class _Prefaulter:

@@ -9,6 +9,7 @@ Modules:
     payload_codec     copy-path payloads: restricted unpickler and raw_v1 (8.4)
     client            ``MPClient``: the DEALER request client used by workers and schedulers
     server            ``MPCacheServer``: ROUTER loop thread, pools, handlers
-    http_api          FastAPI admin app (11)
+    engine            ``CacheEngine``: the op handlers and server state, one module per area
+    http_api          FastAPI admin app (11), one module of routes per area
     transfer_context  worker-side transfer contexts and the mode router (platform.md 6)
 """

@@ -29,6 +29,13 @@ Design:
   thread, busy-polling for the reply for up to ``spin_us`` (default 500 us; ``spin_us=0`` or
   ``LMCACHE_MP_CLIENT_SPIN_US=0`` turns it off) before it sleeps: see ``SpinPolicy``.
 * ``HeartbeatThread`` pings every ``interval`` and reports health transitions.
+
+Why one module of about 960 lines: ``_Poller``, ``MPClient`` and ``MPFuture`` implement one
+socket-ownership protocol together (``_io_lock``, whether the socket's FD is in the epoll
+set, the fast waiters, the outbox of queued sends), each reading and changing the others'
+private state. Its invariants are checked by reading those three side by side; split into
+modules, the same private state would be shared across files. The parts that stand alone
+(``SpinPolicy``, ``HeartbeatThread``) are small.
 """
 
 from __future__ import annotations

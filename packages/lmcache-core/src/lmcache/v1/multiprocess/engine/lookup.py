@@ -1,0 +1,327 @@
+"""Lookups and sessions of ``CacheEngine``: prefetch jobs, their read shares, the
+prefetch-status waits, ``free_lookup_locks`` and ``end_session``."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from lmcache.utils import RateLimitedLog, init_logger
+from lmcache.v1.multiprocess import protocol as P
+from lmcache.v1.multiprocess.engine.state import RequestContext, fan_out_keys
+from lmcache.v1.multiprocess.protocol import ErrorCode, RequestError
+from lmcache.v1.multiprocess.sessions import LookupJob, Session
+from lmcache.v1.multiprocess.token_hasher import tokens_to_be_bytes
+
+logger = init_logger(__name__)
+# Conditions a busy server may hit many times a second (a full L1, a full session table).
+_limited = RateLimitedLog(logger, interval=10.0)
+
+
+class LookupMixin:
+    """Part of ``CacheEngine`` (its state is set in ``CacheEngine.__init__``)."""
+
+    def _keys(
+        self, hashes: list[bytes], first: int, last: int, key: P.IPCCacheServerKey, ranks
+    ) -> list[list[Any]]:
+        return fan_out_keys(key, hashes, first, last, ranks)
+
+    def _validate(self, key: P.IPCCacheServerKey, *, aligned: bool) -> None:
+        P.validate_key(key, chunk_aligned=aligned, chunk_size=self.cs)
+
+    def _hashes(self, session: Session, key: P.IPCCacheServerKey, end: int) -> list[bytes]:
+        try:
+            with session.lock:
+                return session.hashes_for(P.token_prefix(key, end), self.cs, self.hash_memo)
+        except ValueError as exc:
+            raise RequestError(ErrorCode.INVALID_ARGUMENT, str(exc)) from exc
+
+    # ------------------------------------------------------------------ lookup
+    def lookup(
+        self,
+        ctx: RequestContext,
+        key: P.IPCCacheServerKey,
+        tp_size: Any = None,
+        wait_timeout: float | None = None,
+    ):
+        """Starts the prefetch job; 0.5.6 replies nil. With ``wait_timeout``
+        (``FEATURE_LOOKUP_WAIT``) the reply is wait_prefetch_status's answer instead."""
+        self._start_lookup(key)
+        if wait_timeout is None:
+            return None
+        return self.wait_prefetch_status(ctx, key.request_id, wait_timeout)
+
+    def _start_lookup(self, key: P.IPCCacheServerKey) -> None:
+        if key.num_kv_readers < 1:
+            raise RequestError(
+                ErrorCode.INVALID_ARGUMENT,
+                f"num_kv_readers must be >= 1 (got {key.num_kv_readers}); the client must set it on lookup keys",
+            )
+        self._validate(key, aligned=False)
+        lkey = (key.model_name, key.world_size)
+        lay = self.layouts.get(lkey)
+        if lay is None:  # nothing hashes the tokens then, but they must be valid all the same
+            try:
+                tokens_to_be_bytes(P.token_prefix(key, key.end))
+            except ValueError as exc:
+                raise RequestError(ErrorCode.INVALID_ARGUMENT, str(exc)) from exc
+        session = self.sessions.touch(key.request_id)
+        who = {"cache_salt": key.cache_salt, "model_name": key.model_name}
+        self.metrics.inc("lmcache_mp_lookups_requests", **who)
+        first = key.start // self.cs
+        job = LookupJob(key.num_kv_readers, first)
+        with session.lock:
+            old, session.job = session.job, job
+            session.key_info = (key.model_name, key.world_size, key.cache_salt)
+        if old is not None:
+            old.superseded = True
+            if old.is_done:
+                self._release_job_locks(old, session)
+        if lay is None:
+            self.metrics.inc(
+                "lmcache_mp_lookup_early_exit_requests", reason="no_gpu_context", **who
+            )
+            if lkey not in self._warned_early_exit:
+                self._warned_early_exit.add(lkey)
+                logger.warning(
+                    "lookup for model '%s' world_size %d before any worker registered it; reporting 0 hits. "
+                    "Check that workers use the same model name and KV world size",
+                    key.model_name,
+                    key.world_size,
+                )
+            job.complete(0)
+            return
+        try:
+            hashes = self._hashes(session, key, key.end)
+        except RequestError:
+            job.complete(0)  # a query of this request answers 0 instead of pending forever
+            raise
+        last = len(hashes)
+        self.metrics.inc("lmcache_mp_lookup_requested_tokens", max(0, key.end - key.start), **who)
+        if last <= first:
+            job.complete(0)
+            return
+        job.rows = self._keys(hashes, first, last, key, range(key.world_size))
+        try:
+            # The common case: L1 alone answers at once, without a prefetch request.
+            now = self.storage.lookup_l1_now(job.rows, key.num_kv_readers)
+            if now is None:
+                job.handle = self.storage.submit_lookup(
+                    job.rows, lay.desc, key.num_kv_readers, key.request_id
+                )
+        except Exception as exc:
+            logger.error("lookup %s: prefetch submit failed: %s", key.request_id, exc)
+            job.complete(0)
+            return
+        if now is not None:
+            self._finish_job(session, job, now)
+        elif self.storage.wait_lookup(job.handle, 0):
+            self._finish_job(session, job)
+        else:
+            self._lookup_waiters.submit(self._wait_job, session, job)
+
+    def _wait_job(self, session: Session, job: LookupJob) -> None:
+        while not self._stop.is_set():
+            if self.storage.wait_lookup(job.handle, 1.0):
+                break
+        self._finish_job(session, job)
+
+    def _finish_job(self, session: Session, job: LookupJob, out: Any = None) -> None:
+        """Record a finished lookup's hits as the session's read shares and complete it;
+        ``out`` is the outcome when it was answered directly, else it comes from the handle."""
+        n = len(job.rows[0]) if job.rows else 0
+        if out is None:
+            try:
+                out = self.storage.lookup_result(job.handle, n)
+            except Exception as exc:
+                logger.error("lookup %s: prefetch result failed: %s", session.request_id, exc)
+                job.complete(0)
+                return
+        hit = out.hit_chunks
+        ranks = max(1, len(job.rows))
+        model, _world_size, salt = session.key_info
+        self.metrics.inc_many(
+            {
+                "lmcache_mp_lookup_hit_tokens": hit * self.cs,
+                "lmcache_mp_lookup_hit_l1_keys": out.l1_keys,
+                "lmcache_mp_lookup_hit_l2_keys": out.l2_keys,
+                "lmcache_mp_lookup_hit_l1_tokens": out.l1_keys * self.cs // ranks,
+                "lmcache_mp_lookup_hit_l2_tokens": out.l2_keys * self.cs // ranks,
+            },
+            cache_salt=salt,
+            model_name=model,
+        )
+        readers, first_chunk = job.num_kv_readers, job.first_chunk
+        with session.lock:
+            shares, share_keys = session.shares, session.share_keys
+            for r, row in enumerate(job.rows):
+                for j in range(hit):
+                    ck = (first_chunk + j, r)
+                    shares[ck] = shares.get(ck, 0) + readers
+                    share_keys[ck] = row[j]
+            frees, job.deferred_frees = job.deferred_frees, []
+        job.complete(hit)
+        for first, last in frees:
+            self._free_range(session, first, last)
+        if job.superseded or session.ended:
+            self._release_job_locks(job, session)
+
+    def _release_job_locks(self, job: LookupJob, session: Session | None = None) -> None:
+        """Release the shares a finished, superseded or orphaned job still holds."""
+        if session is None or not job.rows or job.hit_chunks is None:
+            return
+        self._free_range(session, job.first_chunk, job.first_chunk + job.hit_chunks)
+
+    def _consume(self, session: Session | None) -> int | None:
+        if session is None:
+            return 0
+        with session.lock:
+            job = session.job
+            if job is None or job.consumed:
+                return 0
+            if not job.is_done:
+                return None
+            job.consumed = True
+            session.job = None
+            return int(job.hit_chunks or 0)
+
+    def query_prefetch_status(self, ctx: RequestContext, request_id: str):
+        return self._consume(self.sessions.get(request_id))
+
+    def wait_prefetch_status(self, ctx: RequestContext, request_id: str, timeout: float):
+        session = self.sessions.get(request_id)
+        if session is None or session.job is None:
+            return 0
+        job = session.job
+        if job.is_done:
+            return self._consume(session)
+        ctx.defer()
+
+        def on_done(_job: LookupJob) -> None:
+            if session.job is job:
+                ctx.reply_with(lambda: self._consume(session))
+            else:
+                ctx.reply(0)
+
+        def on_timeout() -> None:
+            if ctx.reply(None):
+                self.metrics.inc("lmcache_mp_timeouts", exception_type="LMCacheTimeoutError")
+
+        self._parker.at(time.monotonic() + max(0.0, float(timeout)), on_timeout)
+        job.on_done(on_done)
+        return None
+
+    def free_lookup_locks(self, ctx: RequestContext, key: P.IPCCacheServerKey, tp_size: Any = None):
+        if key.num_kv_readers < 1:
+            raise RequestError(
+                ErrorCode.INVALID_ARGUMENT,
+                f"num_kv_readers must be >= 1 (got {key.num_kv_readers}); the client must set it on free keys",
+            )
+        self._validate(key, aligned=True)
+        if key.start == key.end:
+            self.sessions.get(key.request_id)  # a no-op, but it still names the session (TTL)
+            return None
+        session = self.sessions.touch(key.request_id)
+        first, last = key.start // self.cs, key.end // self.cs
+        with session.lock:
+            job = session.job
+            if job is not None and not job.is_done:
+                job.deferred_frees.append((first, last))  # applied when the job ends
+                return None
+        self._free_range(session, first, last)
+        return None
+
+    def _free_range(self, session: Session, first: int, last: int) -> None:
+        to_release: list[tuple[Any, int]] = []
+        with session.lock:
+            for ck in [ck for ck in session.shares if first <= ck[0] < last]:
+                n = session.shares.pop(ck)
+                to_release.append((session.share_keys.pop(ck), n))
+        by_n: dict[int, list[Any]] = {}
+        for k, n in to_release:
+            by_n.setdefault(n, []).append(k)
+        for n, keys in by_n.items():
+            self.storage.release_read(keys, n)
+
+    def _take_share(self, session: Session, chunk: int, rank: int) -> bool:
+        with session.lock:
+            n = session.shares.get((chunk, rank), 0)
+            if n <= 0:
+                return False
+            if n == 1:
+                del session.shares[(chunk, rank)]
+                session.share_keys.pop((chunk, rank), None)
+            else:
+                session.shares[(chunk, rank)] = n - 1
+            return True
+
+    def _release_worker_shares(
+        self, session: Session, key: P.IPCCacheServerKey, keys: list[Any]
+    ) -> None:
+        """One share per key of this worker's rank, each at most once per lookup share, taken
+        from the session the read began in (a later session of the same request id has
+        shares of its own)."""
+        first = key.start // self.cs
+        rank = key.worker_id or 0
+        owed = [k for j, k in enumerate(keys) if self._take_share(session, first + j, rank)]
+        self.storage.release_read(owed, 1)
+
+    def end_session(self, ctx: RequestContext, request_id: str):
+        session = self.sessions.pop(request_id)
+        if session is None:
+            return None
+        with session.lock:
+            info, hashes = session.key_info, list(session.hashes)
+        if info is not None and hashes:  # refresh the LRU position of every key of the request
+            model, ws, salt = info
+            k = P.IPCCacheServerKey(
+                model_name=model,
+                world_size=ws,
+                worker_id=None,
+                token_ids=[],
+                start=0,
+                end=0,
+                request_id=request_id,
+                cache_salt=salt,
+            )
+            self.storage.touch([x for row in fan_out_keys(k, hashes, 0, len(hashes)) for x in row])
+        self._close_session(session)
+        return None
+
+    def _close_session(self, session: Session) -> None:
+        """End a session (end_session, or its TTL ran out): a lookup still running is
+        superseded, and its shares are freed now, or by the last retrieve still copying
+        from them (``_retrieve_done``)."""
+        with session.lock:
+            session.ended = True
+            job = session.job
+            inflight = session.inflight_retrieves
+        if job is not None and not job.is_done:
+            job.superseded = True
+        if inflight == 0:
+            self._free_range(session, 0, 1 << 62)
+
+    def _evict_sessions(self, sessions: list[Session]) -> None:
+        """Sessions pushed out of a full table (``--max-sessions``) end as if their TTL ran out."""
+        self.metrics.inc("lmcache_mp_sessions_evicted", len(sessions))
+        _limited.warning(
+            "sessions_evicted",
+            "session table full (--max-sessions %d): ended the least recently used session %r; "
+            "clients must call end_session for finished requests, or raise --max-sessions",
+            self.config.max_sessions,
+            sessions[0].request_id,
+        )
+        for session in sessions:
+            self._close_session(session)
+
+    def _retrieve_done(self, session: Session) -> None:
+        with session.lock:
+            session.inflight_retrieves -= 1
+            release = session.ended and session.inflight_retrieves == 0
+        if release:
+            self._free_range(session, 0, 1 << 62)
+
+    def _retrieve_begin(self, session: Session) -> Session:
+        with session.lock:
+            session.inflight_retrieves += 1
+        return session
