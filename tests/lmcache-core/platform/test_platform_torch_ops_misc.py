@@ -228,11 +228,19 @@ class PinRecordingSpec(DeviceSpec):
         return True
 
 
-def test_shm_allocator_name_stale_segment_and_pin_through_the_spec(monkeypatch):
-    from lmcache.v1.platform import _device_detect as dd
+def test_shm_allocator_name_stale_segment_and_pin_through_the_spec():
+    from lmcache.v1.platform import DeviceRegistry, use_device_registry
+
+    class PinRecordingHost(DeviceRegistry):
+        def current_device_spec(self):
+            return PinRecordingSpec()
 
     PinRecordingSpec.calls = []
-    monkeypatch.setattr(dd, "current_device_spec", lambda: PinRecordingSpec())
+    with use_device_registry(PinRecordingHost()):
+        _shm_round_trip()
+
+
+def _shm_round_trip():
     name = f"lmcache_test_{uuid.uuid4().hex[:10]}"
     stale = shared_memory.SharedMemory(name=name, create=True, size=64)
     stale.buf[:4] = b"OLD!"
