@@ -37,7 +37,8 @@ class DeviceBackendError(LMCacheError, RuntimeError):
 class UnknownL2AdapterTypeError(LMCacheConfigError):
     """An ``--l2-adapter`` ``type`` that no installed package registers."""
 
-    def __init__(self, type_name: object, known: Iterable[str]) -> None:
+    def __init__(self, type_name: object, known: Iterable[str], where: str = "") -> None:
+        """``where`` prefixes the message (e.g. ``--l2-adapter #2``)."""
         self.type_name = type_name
         self.known = sorted(known)
         hint = (
@@ -46,7 +47,7 @@ class UnknownL2AdapterTypeError(LMCacheConfigError):
             else ""
         )
         super().__init__(
-            f"unknown L2 adapter type {type_name!r}; known types: "
+            f"{where + ': ' if where else ''}unknown L2 adapter type {type_name!r}; known types: "
             f"{', '.join(self.known) or '(none)'}. Fix the spelling, or install the wheel that "
             f"provides it{hint}; `lmcache plugins` lists the installed types and the plugins "
             "that failed to load"
