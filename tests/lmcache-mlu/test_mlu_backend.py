@@ -214,9 +214,9 @@ def test_completion_handle_zero_waits_on_default_stream(ops, fake_mlu):
     torch_ops.drain_recorded_completions()
     other = fake_mlu.Stream()
     fake_mlu.set_stream(other)  # the current stream is not the default one
-    before = fake_mlu._default_stream.synchronize_calls
+    before = fake_mlu.default_stream().synchronize_calls
     ops.record_completion_on_stream(0, "store", b"payload")
-    assert fake_mlu._default_stream.synchronize_calls == before + 1
+    assert fake_mlu.default_stream().synchronize_calls == before + 1
     assert other.synchronize_calls == 0
     assert torch_ops.drain_recorded_completions() == [("store", b"payload")]
 
@@ -232,11 +232,11 @@ def test_nonzero_handle_borrows_callers_stream(ops, fake_mlu):
 
     fake_mlu.ExternalStream = Recording
     torch_ops.drain_recorded_events()
-    default_before = fake_mlu._default_stream.synchronize_calls
+    default_before = fake_mlu.default_stream().synchronize_calls
     ops.record_event_on_stream(0xABC, "evt", 7, ["s"], [1])
     assert [s.handle for s in made] == [0xABC]
     assert made[0].synchronize_calls == 1
-    assert fake_mlu._default_stream.synchronize_calls == default_before
+    assert fake_mlu.default_stream().synchronize_calls == default_before
     events = torch_ops.drain_recorded_events()
     assert len(events) == 1 and events[0][0] == "evt" and events[0][1] == 7
 

@@ -489,7 +489,6 @@ def test_one_argument_lookup_detected(plugin_module):
     from lmcache.v1.distributed.api import ObjectKey
 
     a = create({"module_path": plugin_module, "class_name": "OneArgLookup"})
-    assert a._lmcache_lookup_one_arg is True
     tid = submit_lookup(a, [ObjectKey(b"\x01", "m", 0)], {0: None})
     assert a.query_lookup_and_lock_result(tid).test(0) is False
     a.close()

@@ -158,3 +158,40 @@ def test_refresh_finds_a_wheel_installed_after_the_first_scan(tmp_path, monkeypa
         assert registry.config_class(name).__name__ == "LateConfig"
     finally:
         sys.modules.pop(f"late_{tag}_hooks", None)
+
+
+def _runtime_imports(path):
+    """Modules ``path`` imports outside ``if TYPE_CHECKING:`` blocks, inside functions too."""
+    import ast
+
+    tree = ast.parse(path.read_text())
+    typing_only = {
+        id(sub)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and getattr(node.test, "id", "") == "TYPE_CHECKING"
+        for sub in ast.walk(node)
+    }
+    out = set()
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.ImportFrom) and node.module:
+            out.add(node.module)
+            out.update(f"{node.module}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+    return out
+
+
+def test_config_and_factory_import_the_registry_one_way():
+    """No import circle: config and factory both sit on the registry, never on each other."""
+    from pathlib import Path
+
+    from lmcache.v1.distributed.l2_adapters import registry
+
+    here = Path(registry.__file__).parent
+    pkg = "lmcache.v1.distributed.l2_adapters"
+    for module, never in (("config", "factory"), ("factory", "config"), ("registry", "config")):
+        imports = _runtime_imports(here / f"{module}.py")
+        assert f"{pkg}.{never}" not in imports, f"{module}.py imports {never}.py at run time"
+    assert f"{pkg}.registry" in _runtime_imports(here / "config.py")

@@ -15,9 +15,10 @@ from pathlib import Path
 import pytest
 
 import lmcache.v1.platform as platform_pkg
+from lmcache.v1.platform import DeviceRegistry
 
 PLATFORM_DIR = Path(platform_pkg.__file__).parent
-REGISTRY_MODULE = "lmcache.v1.platform._device_detect"
+REGISTRY_MODULE = DeviceRegistry.__module__
 # Facade names that answer from the registry: importing them is reaching up, too.
 FACADE_REGISTRY_NAMES = {
     "current_device_spec",
@@ -31,7 +32,7 @@ FACADE_REGISTRY_NAMES = {
     "synchronize_device",
     "torch_dev",
     "torch_device_type",
-    "_device_detect",
+    REGISTRY_MODULE.rsplit(".", 1)[1],
 }
 BASE_MODULES = sorted(
     [
@@ -117,11 +118,12 @@ def test_base_modules_at_run_time_ask_the_installed_platform_not_the_registry():
             event_ipc.get_event_ipc_backend(0)
         except RuntimeError:
             pass  # the CPU spec has no event backend; the question is who was asked
-        loaded = "lmcache.v1.platform._device_detect" in sys.modules
+        loaded = "REGISTRY_MODULE" in sys.modules
         print("REGISTRY_LOADED", loaded)
         print("ASKED", sorted(set(fake.asked)))
         """
     )
+    code = code.replace("REGISTRY_MODULE", REGISTRY_MODULE)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "REGISTRY_LOADED False" in out.stdout, out.stdout
