@@ -160,10 +160,10 @@ def main() -> int:
     ap.add_argument("--fake-device", default="", help="install a fake accelerator of this name")
     a = ap.parse_args()
     if a.fake_device:
-        from lmcache.v1.platform._device_detect import current_device_spec
+        from lmcache.v1.platform import default_device_registry
 
         with fake_device(a.fake_device):
-            device = current_device_spec().device_type
+            device = default_device_registry().current_device_spec().device_type
             results = [dict(run_one(a, layout), device=device) for layout in a.layouts.split(",")]
     else:
         results = [run_one(a, layout) for layout in a.layouts.split(",")]

@@ -11,9 +11,10 @@ import types
 import pytest
 import torch
 
+from lmcache.v1.platform.base.device_spec import effective_default_mode
 from lmcache.v1.platform.ops_types import TransferDirection
 from lmcache.v1.platform.testing import install_fake_device
-from lmcache.v1.platform.transfer_mode import MPTransferMode, effective_default_mode
+from lmcache.v1.platform.transfer_mode import MPTransferMode
 
 CUDA_TORCH = {"cuda": "12.4", "hip": None}
 
@@ -34,7 +35,7 @@ def test_entry_point_and_identity(fake_cuda):
     eps = {ep.name: ep.value for ep in md.entry_points(group="lmcache.device_plugins")}
     assert eps["cuda"] == "lmcache.devices.cuda:CudaDeviceSpec"
     from lmcache.devices.cuda import CudaDeviceSpec
-    from lmcache.v1.platform._device_detect import get_device_spec, get_torch_device
+    from lmcache.v1.platform import get_device_spec, get_torch_device
     from lmcache.v1.platform.cuda_family import CudaFamilyDeviceSpec
 
     spec = get_device_spec("cuda")
@@ -62,21 +63,17 @@ def test_availability(available, versions, expected):
 @pytest.mark.parametrize("var", ["LMCACHE_DEVICE_BACKEND", "DEVICE_TYPE"])
 def test_selected_by_env(monkeypatch, var, fake_cuda):
     from lmcache.devices.cuda.device_ops import CudaDeviceOps
-    from lmcache.v1.platform._device_detect import (
-        get_torch_device,
-        reset_caches,
-        resolve_device_ops,
-    )
+    from lmcache.v1.platform import get_torch_device, reset_platform_caches, resolve_device_ops
 
     monkeypatch.setenv(var, "cuda")
-    reset_caches()
+    reset_platform_caches()
     assert get_torch_device()[1] == "cuda"
     ops = resolve_device_ops("cuda")
     assert isinstance(ops, CudaDeviceOps) and resolve_device_ops("cuda") is ops
 
 
 def test_flags_auto_mode_and_event_backend(fake_cuda):
-    from lmcache.v1.platform._device_detect import get_device_spec
+    from lmcache.v1.platform import get_device_spec
     from lmcache.v1.platform.base.event_ipc import DefaultEventIPCBackend, get_event_ipc_backend
 
     spec = get_device_spec("cuda")
@@ -96,8 +93,7 @@ def test_flags_auto_mode_and_event_backend(fake_cuda):
 
 
 def test_wrapper_factory_follows_ipc_policy(fake_cuda):
-    from lmcache.v1.platform import resolve_kv_wrapper_factory
-    from lmcache.v1.platform._device_detect import get_device_spec
+    from lmcache.v1.platform import get_device_spec, resolve_kv_wrapper_factory
     from lmcache.v1.platform.cuda_family.ipc_wrapper import (
         CudaIPCWrapper,
         RawCudaIPCWrapper,
@@ -168,7 +164,7 @@ def test_cuda_descriptor_rejects_malformed_handle(fake_cuda):
 
 
 def test_cache_context_routes_to_gpu_context(fake_cuda):
-    from lmcache.v1.platform._device_detect import get_device_spec
+    from lmcache.v1.platform import get_device_spec
 
     spec = get_device_spec("cuda")
     with pytest.raises(ValueError, match="GPUCacheContext got a KV tensor on cpu"):
@@ -179,7 +175,7 @@ def test_cache_context_routes_to_gpu_context(fake_cuda):
 
 def test_pin_backend_through_cudart(fake_cuda, monkeypatch):
     from lmcache.devices.cuda.pin_memory import CudaPinMemoryBackend
-    from lmcache.v1.platform._device_detect import get_device_spec
+    from lmcache.v1.platform import get_device_spec
 
     spec = get_device_spec("cuda")
     assert spec.pin_memory_backend is CudaPinMemoryBackend

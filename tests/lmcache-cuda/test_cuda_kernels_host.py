@@ -291,7 +291,7 @@ def test_native_shim_passes_pointer_operands_to_the_kernel(host_lib, fmt):
     got = _chunks(fmt, geo, 2, chunk, dtype)
     ptrs = torch.tensor([t.data_ptr() for t in planes], dtype=torch.int64)
     with install_fake_device("cuda", version_attrs={"cuda": "12.4", "hip": None}) as fake:
-        fake._current_stream.cuda_stream = 0x5151
+        fake.current_stream().cuda_stream = 0x5151
         transfer(ptrs, [c.data_ptr() for c in got], ids, "cpu", 1, sd, chunk, fmt, skip)
         assert fake_c.calls and fake_c.calls[-1][-1] == 0x5151  # the current stream's handle
         for a, b in zip(got, want, strict=True):

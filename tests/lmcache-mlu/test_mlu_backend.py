@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from lmcache.v1.platform import torch_ops
+from lmcache.v1.platform.base.device_spec import effective_default_mode
 from lmcache.v1.platform.ops_types import EngineKVFormat, PageBufferShapeDesc, TransferDirection
 from lmcache.v1.platform.testing import install_fake_device
-from lmcache.v1.platform.transfer_mode import MPTransferMode, effective_default_mode
+from lmcache.v1.platform.transfer_mode import MPTransferMode
 
 F = EngineKVFormat
 D2H, H2D = TransferDirection.D2H, TransferDirection.H2D
@@ -57,7 +58,7 @@ def fake_mlu():
 
 @pytest.fixture
 def ops(fake_mlu):
-    from lmcache.v1.platform._device_detect import resolve_device_ops
+    from lmcache.v1.platform import resolve_device_ops
 
     return resolve_device_ops("mlu")
 
@@ -67,10 +68,10 @@ def test_entry_point_and_registry():
     eps = {ep.name: ep.value for ep in md.entry_points(group="lmcache.device_plugins")}
     assert eps["mlu"] == "lmcache.devices.mlu:MluDeviceSpec"
     from lmcache.devices.mlu import MluDeviceSpec
-    from lmcache.v1.platform._device_detect import _build_backend_registry, failed_device_plugins
+    from lmcache.v1.platform import default_device_registry, failed_device_plugins
 
     with install_fake_device("mlu", vendor_module="torch_mlu"):
-        spec = _build_backend_registry()["mlu"]
+        spec = default_device_registry().backends()["mlu"]
         assert type(spec) is MluDeviceSpec
         assert (spec.device_type, spec.backend_name, spec.torch_module_name) == ("mlu",) * 3
         assert not [f for f in failed_device_plugins() if f[0] == "mlu"]
@@ -99,17 +100,13 @@ def test_availability_probe_never_raises(available, vendor, expected):
 @pytest.mark.parametrize("var", ["LMCACHE_DEVICE_BACKEND", "DEVICE_TYPE"])
 def test_selected_by_env(monkeypatch, var):
     from lmcache.devices.mlu.device_ops import MluDeviceOps
-    from lmcache.v1.platform._device_detect import (
-        current_device_spec,
-        get_torch_device,
-        resolve_device_ops,
-    )
+    from lmcache.v1.platform import default_device_registry, get_torch_device, resolve_device_ops
 
     monkeypatch.setenv(var, "MLU")
     with install_fake_device("mlu", vendor_module="torch_mlu") as fake:
         module, device_type = get_torch_device()
         assert module is fake and device_type == "mlu"
-        assert current_device_spec().backend_name == "mlu"
+        assert default_device_registry().current_device_spec().backend_name == "mlu"
         assert isinstance(resolve_device_ops("mlu"), MluDeviceOps)
         assert resolve_device_ops("mlu") is resolve_device_ops("mlu")
 
@@ -118,7 +115,7 @@ def test_selected_by_env(monkeypatch, var):
     ("available", "vendor"), [(True, None), (False, "torch_mlu")], ids=["no-runtime", "no-mlu"]
 )
 def test_explicit_selection_fails_without_runtime_or_device(monkeypatch, available, vendor):
-    from lmcache.v1.platform._device_detect import _detect_device
+    from lmcache.v1.platform import default_device_registry
 
     monkeypatch.setenv("LMCACHE_DEVICE_BACKEND", "mlu")
     with (
@@ -128,12 +125,11 @@ def test_explicit_selection_fails_without_runtime_or_device(monkeypatch, availab
             match=r"LMCACHE_DEVICE_BACKEND='mlu' is registered but not available on this host\.",
         ),
     ):
-        _detect_device()
+        default_device_registry().detect()
 
 
 def test_engine_driven_only(fake_mlu):
-    from lmcache.v1.platform import resolve_kv_wrapper_factory
-    from lmcache.v1.platform._device_detect import get_device_spec
+    from lmcache.v1.platform import get_device_spec, resolve_kv_wrapper_factory
 
     spec = get_device_spec("mlu")
     assert spec.is_lmcache_driven_available() is False
@@ -218,9 +214,9 @@ def test_completion_handle_zero_waits_on_default_stream(ops, fake_mlu):
     torch_ops.drain_recorded_completions()
     other = fake_mlu.Stream()
     fake_mlu.set_stream(other)  # the current stream is not the default one
-    before = fake_mlu._default_stream.synchronize_calls
+    before = fake_mlu.default_stream().synchronize_calls
     ops.record_completion_on_stream(0, "store", b"payload")
-    assert fake_mlu._default_stream.synchronize_calls == before + 1
+    assert fake_mlu.default_stream().synchronize_calls == before + 1
     assert other.synchronize_calls == 0
     assert torch_ops.drain_recorded_completions() == [("store", b"payload")]
 
@@ -236,11 +232,11 @@ def test_nonzero_handle_borrows_callers_stream(ops, fake_mlu):
 
     fake_mlu.ExternalStream = Recording
     torch_ops.drain_recorded_events()
-    default_before = fake_mlu._default_stream.synchronize_calls
+    default_before = fake_mlu.default_stream().synchronize_calls
     ops.record_event_on_stream(0xABC, "evt", 7, ["s"], [1])
     assert [s.handle for s in made] == [0xABC]
     assert made[0].synchronize_calls == 1
-    assert fake_mlu._default_stream.synchronize_calls == default_before
+    assert fake_mlu.default_stream().synchronize_calls == default_before
     events = torch_ops.drain_recorded_events()
     assert len(events) == 1 and events[0][0] == "evt" and events[0][1] == 7
 

@@ -13,9 +13,10 @@ import torch
 
 from lmcache.v1.platform import torch_ops
 from lmcache.v1.platform.base.device_ops import DEVICE_OP_NAMES
+from lmcache.v1.platform.base.device_spec import effective_default_mode
 from lmcache.v1.platform.ops_types import EngineKVFormat, PageBufferShapeDesc, TransferDirection
 from lmcache.v1.platform.testing import install_fake_device
-from lmcache.v1.platform.transfer_mode import MPTransferMode, effective_default_mode
+from lmcache.v1.platform.transfer_mode import MPTransferMode
 
 F = EngineKVFormat
 D2H, H2D = TransferDirection.D2H, TransferDirection.H2D
@@ -42,7 +43,7 @@ def fake_musa():
 
 @pytest.fixture
 def ops(fake_musa):
-    from lmcache.v1.platform._device_detect import resolve_device_ops
+    from lmcache.v1.platform import resolve_device_ops
 
     return resolve_device_ops("musa")
 
@@ -51,7 +52,7 @@ def test_entry_point_identity_and_flags(fake_musa):
     eps = {ep.name: ep.value for ep in md.entry_points(group="lmcache.device_plugins")}
     assert eps["musa"] == "lmcache.devices.musa:MusaDeviceSpec"
     from lmcache.devices.musa import MusaDeviceSpec
-    from lmcache.v1.platform._device_detect import get_device_spec
+    from lmcache.v1.platform import get_device_spec
 
     spec = get_device_spec("musa")
     assert type(spec) is MusaDeviceSpec
@@ -81,7 +82,7 @@ def test_availability(available, expected):
 @pytest.mark.parametrize("var", ["LMCACHE_DEVICE_BACKEND", "DEVICE_TYPE"])
 def test_selected_by_env(monkeypatch, var):
     from lmcache.devices.musa.device_ops import MusaDeviceOps
-    from lmcache.v1.platform._device_detect import get_torch_device, resolve_device_ops
+    from lmcache.v1.platform import get_torch_device, resolve_device_ops
 
     monkeypatch.setenv(var, "musa")
     with install_fake_device("musa", vendor_module="torch_musa") as fake:
@@ -91,14 +92,14 @@ def test_selected_by_env(monkeypatch, var):
 
 
 def test_explicit_selection_without_runtime(monkeypatch):
-    from lmcache.v1.platform._device_detect import _detect_device
+    from lmcache.v1.platform import default_device_registry
 
     monkeypatch.setenv("LMCACHE_DEVICE_BACKEND", "musa")
     with (
         install_fake_device("musa", available=False, vendor_module="torch_musa"),
         pytest.raises(RuntimeError, match="'musa' is registered but not available"),
     ):
-        _detect_device()
+        default_device_registry().detect()
 
 
 def test_exact_override_set():
@@ -135,7 +136,7 @@ def test_handle_transfer_opt_in_and_prerequisites(monkeypatch, fake_musa):
 # ---- pinning ---------------------------------------------------------------------------
 def test_pin_backend_registers_through_musart(fake_musa):
     from lmcache.devices.musa.pin_memory import MusaPinMemoryBackend
-    from lmcache.v1.platform._device_detect import get_device_spec
+    from lmcache.v1.platform import get_device_spec
 
     spec = get_device_spec("musa")
     assert spec.pin_memory_backend is MusaPinMemoryBackend
@@ -352,7 +353,7 @@ def test_lmcache_driven_pieces_fail_clearly(fake_musa):
         MusaEventIPCBackend,
         MusaIPCWrapper,
     )
-    from lmcache.v1.platform._device_detect import get_device_spec
+    from lmcache.v1.platform import get_device_spec
 
     with pytest.raises(NotImplementedError, match="engine_driven"):
         MusaIPCWrapper.wrap(torch.zeros(1))

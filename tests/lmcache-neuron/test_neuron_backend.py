@@ -12,9 +12,10 @@ import torch
 
 from lmcache.v1.platform import torch_ops
 from lmcache.v1.platform.base.device_ops import DeviceOps
+from lmcache.v1.platform.base.device_spec import effective_default_mode
 from lmcache.v1.platform.ops_types import PageBufferShapeDesc, TransferDirection
 from lmcache.v1.platform.testing import check_canonical_block_transfer, install_fake_device
-from lmcache.v1.platform.transfer_mode import MPTransferMode, effective_default_mode
+from lmcache.v1.platform.transfer_mode import MPTransferMode
 
 
 @pytest.fixture(autouse=True)
@@ -27,7 +28,7 @@ def test_entry_point_identity_and_capabilities():
     eps = {ep.name: ep.value for ep in md.entry_points(group="lmcache.device_plugins")}
     assert eps["neuron"] == "lmcache.devices.neuron:NeuronDeviceSpec"
     from lmcache.devices.neuron import NeuronDeviceSpec
-    from lmcache.v1.platform._device_detect import get_device_spec, resolve_device_ops
+    from lmcache.v1.platform import get_device_spec, resolve_device_ops
 
     with install_fake_device("neuron", vendor_module="torch_neuronx"):
         spec = get_device_spec("neuron")
@@ -90,7 +91,7 @@ def test_torch_neuronx_import_registers_the_module(monkeypatch):
 
 @pytest.mark.parametrize("var", ["LMCACHE_DEVICE_BACKEND", "DEVICE_TYPE"])
 def test_selected_by_env(monkeypatch, var):
-    from lmcache.v1.platform._device_detect import get_torch_device
+    from lmcache.v1.platform import get_torch_device
 
     monkeypatch.setenv(var, "neuron")
     with install_fake_device("neuron", vendor_module="torch_neuronx") as fake:
@@ -98,7 +99,7 @@ def test_selected_by_env(monkeypatch, var):
 
 
 def test_explicit_selection_error_text(monkeypatch):
-    from lmcache.v1.platform._device_detect import _detect_device
+    from lmcache.v1.platform import default_device_registry
 
     monkeypatch.setenv("LMCACHE_DEVICE_BACKEND", "neuron")
     with (
@@ -108,11 +109,11 @@ def test_explicit_selection_error_text(monkeypatch):
             match=r"LMCACHE_DEVICE_BACKEND='neuron' is registered but not available on this host\.",
         ),
     ):
-        _detect_device()
+        default_device_registry().detect()
 
 
 def test_hnd_transfer_through_the_baseline():
-    from lmcache.v1.platform._device_detect import resolve_device_ops
+    from lmcache.v1.platform import resolve_device_ops
 
     with install_fake_device("neuron", vendor_module="torch_neuronx"):
         ops = resolve_device_ops("neuron")
@@ -149,7 +150,7 @@ def test_wheel_metadata_and_explicit_capabilities():
     ("ids", "skip"), [([4, 0, 2], 0), ([4, 0, 2], 1), ([1, 3, 0, 2], 3), ([1, 2], 5)]
 )
 def test_transfer_matrix_canonical(fmt, ids, skip):
-    from lmcache.v1.platform._device_detect import resolve_device_ops
+    from lmcache.v1.platform import resolve_device_ops
 
     with install_fake_device("neuron", vendor_module="torch_neuronx"):
         check_canonical_block_transfer(resolve_device_ops("neuron"), fmt, ids, skip)

@@ -32,18 +32,20 @@ def test_entry_points_of_both_wheels():
 def test_fake_hip_torch_detects_rocm():
     from lmcache.devices.rocm import RocmDeviceSpec
     from lmcache.devices.rocm.device_ops import RocmDeviceOps
-    from lmcache.v1.platform._device_detect import (
-        _build_device_registry,
-        current_device_spec,
+    from lmcache.v1.platform import (
+        default_device_registry,
         get_device_spec,
         get_torch_device,
         resolve_device_ops,
     )
 
     with install_fake_device("cuda", version_attrs=HIP_TORCH):
-        assert [s.backend_name for s in _build_device_registry()["cuda"]] == ["cuda", "rocm"]
+        assert [s.backend_name for s in default_device_registry().device_types()["cuda"]] == [
+            "cuda",
+            "rocm",
+        ]
         assert get_torch_device()[1] == "cuda"
-        spec = current_device_spec()
+        spec = default_device_registry().current_device_spec()
         assert type(spec) is RocmDeviceSpec
         assert get_device_spec("cuda") is spec  # lookups agree with detection
         assert type(resolve_device_ops("cuda")) is RocmDeviceOps
@@ -51,16 +53,15 @@ def test_fake_hip_torch_detects_rocm():
 
 def test_fake_cuda_torch_detects_cuda():
     from lmcache.devices.cuda import CudaDeviceSpec
-    from lmcache.v1.platform._device_detect import current_device_spec
+    from lmcache.v1.platform import default_device_registry
 
     with install_fake_device("cuda", version_attrs=CUDA_TORCH):
-        assert type(current_device_spec()) is CudaDeviceSpec
+        assert type(default_device_registry().current_device_spec()) is CudaDeviceSpec
 
 
 def test_without_hardware_cuda_lookup_is_cuda_spec():
     from lmcache.devices.cuda import CudaDeviceSpec
-    from lmcache.v1.platform import reset_platform_caches
-    from lmcache.v1.platform._device_detect import get_device_spec
+    from lmcache.v1.platform import get_device_spec, reset_platform_caches
 
     reset_platform_caches()
     assert type(get_device_spec("cuda")) is CudaDeviceSpec
@@ -69,22 +70,22 @@ def test_without_hardware_cuda_lookup_is_cuda_spec():
 @pytest.mark.parametrize("var", ["DEVICE_TYPE", "LMCACHE_DEVICE_BACKEND"])
 def test_env_selection_on_hip(monkeypatch, var):
     from lmcache.devices.rocm import RocmDeviceSpec
-    from lmcache.v1.platform._device_detect import current_device_spec
+    from lmcache.v1.platform import default_device_registry
 
     monkeypatch.setenv(var, "cuda" if var == "DEVICE_TYPE" else "rocm")
     with install_fake_device("cuda", version_attrs=HIP_TORCH):
-        assert type(current_device_spec()) is RocmDeviceSpec
+        assert type(default_device_registry().current_device_spec()) is RocmDeviceSpec
 
 
 def test_explicit_rocm_on_cuda_torch_fails(monkeypatch):
-    from lmcache.v1.platform._device_detect import _detect_device
+    from lmcache.v1.platform import default_device_registry
 
     monkeypatch.setenv("LMCACHE_DEVICE_BACKEND", "rocm")
     with (
         install_fake_device("cuda", version_attrs=CUDA_TORCH),
         pytest.raises(RuntimeError, match="'rocm' is registered but not available"),
     ):
-        _detect_device()
+        default_device_registry().detect()
 
 
 @pytest.mark.parametrize(

@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from lmcache.v1.platform import torch_ops
+from lmcache.v1.platform.base.device_spec import effective_default_mode
 from lmcache.v1.platform.ops_types import EngineKVFormat, PageBufferShapeDesc, TransferDirection
 from lmcache.v1.platform.testing import check_canonical_block_transfer, install_fake_device
-from lmcache.v1.platform.transfer_mode import MPTransferMode, effective_default_mode
+from lmcache.v1.platform.transfer_mode import MPTransferMode
 
 F = EngineKVFormat
 
@@ -31,7 +32,7 @@ def test_entry_point_identity_and_capabilities():
     eps = {ep.name: ep.value for ep in md.entry_points(group="lmcache.device_plugins")}
     assert eps["xpu"] == "lmcache.devices.xpu:XpuDeviceSpec"
     from lmcache.devices.xpu import XpuDeviceSpec
-    from lmcache.v1.platform._device_detect import get_device_spec
+    from lmcache.v1.platform import get_device_spec
 
     with install_fake_device("xpu"):
         spec = get_device_spec("xpu")
@@ -60,7 +61,7 @@ def test_availability(available, expected):
 @pytest.mark.parametrize("var", ["LMCACHE_DEVICE_BACKEND", "DEVICE_TYPE"])
 def test_selected_by_env(monkeypatch, var):
     from lmcache.devices.xpu.device_ops import XpuDeviceOps
-    from lmcache.v1.platform._device_detect import get_torch_device, resolve_device_ops
+    from lmcache.v1.platform import get_torch_device, resolve_device_ops
 
     monkeypatch.setenv(var, "xpu")
     with install_fake_device("xpu"):
@@ -71,7 +72,7 @@ def test_selected_by_env(monkeypatch, var):
 
 
 def test_baseline_transfer_when_sycl_module_absent(caplog):
-    from lmcache.v1.platform._device_detect import resolve_device_ops
+    from lmcache.v1.platform import resolve_device_ops
 
     with install_fake_device("xpu"):
         ops = resolve_device_ops("xpu")
@@ -88,7 +89,7 @@ def test_baseline_transfer_when_sycl_module_absent(caplog):
 
 def test_sycl_module_bound_and_pinning(monkeypatch):
     from lmcache.devices.xpu.pin_memory import XpuPinMemoryBackend
-    from lmcache.v1.platform._device_detect import get_device_spec, resolve_device_ops
+    from lmcache.v1.platform import get_device_spec, resolve_device_ops
 
     native = types.ModuleType("lmcache.devices.xpu.xpu_ops")
     registered = []
@@ -119,7 +120,7 @@ def test_wheel_metadata_and_explicit_capabilities():
     ("ids", "skip"), [([4, 0, 2], 0), ([4, 0, 2], 1), ([1, 3, 0, 2], 3), ([1, 2], 5)]
 )
 def test_transfer_matrix_canonical(fmt, ids, skip):
-    from lmcache.v1.platform._device_detect import resolve_device_ops
+    from lmcache.v1.platform import resolve_device_ops
 
     with install_fake_device("xpu"):
         check_canonical_block_transfer(resolve_device_ops("xpu"), fmt, ids, skip)

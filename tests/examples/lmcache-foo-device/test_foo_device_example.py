@@ -20,16 +20,22 @@ pytest.importorskip(
     reason="lmcache-foo-device example not installed (pip install ./examples/lmcache-foo-device)",
 )
 
-from lmcache.v1.platform import _device_detect as dd
-from lmcache.v1.platform import reset_platform_caches
+from lmcache.v1.platform import (
+    default_device_registry,
+    failed_device_plugins,
+    get_device_spec,
+    reset_platform_caches,
+    resolve_device_ops,
+)
 from lmcache.v1.platform.base.device_ops import DEVICE_OP_NAMES
+from lmcache.v1.platform.base.device_spec import effective_default_mode
 from lmcache.v1.platform.ops_types import (
     EngineKVFormat,
     PageBufferShapeDesc,
     TransferDirection,
 )
 from lmcache.v1.platform.testing import extra_device_specs, install_fake_device
-from lmcache.v1.platform.transfer_mode import MPTransferMode, effective_default_mode
+from lmcache.v1.platform.transfer_mode import MPTransferMode
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -76,9 +82,9 @@ def test_foo_is_discovered_and_selected(env, monkeypatch, caplog):
         assert lmcache.torch_dev is fake
         assert re.search(r"torch_dev=.*, torch_device_type=foo", caplog.text)
         assert isinstance(lmcache.device_ops, FooDeviceOps)
-        spec = dd.current_device_spec()
+        spec = default_device_registry().current_device_spec()
         assert isinstance(spec, FooDeviceSpec)
-        assert dd.backend_sources()["foo"].distribution == "lmcache-foo-device"
+        assert default_device_registry().sources()["foo"].distribution == "lmcache-foo-device"
         # AUTO -> engine_driven; lmcache_driven has no wrapper factory
         assert effective_default_mode(spec) is MPTransferMode.ENGINE_DRIVEN
         assert spec.is_lmcache_driven_available() is False
@@ -96,7 +102,7 @@ def test_foo_unavailable_without_torch_foo():
 
     assert not hasattr(torch, "foo")
     assert lmcache.torch_device_type == "cpu"
-    assert dd.get_device_spec("foo").is_available() is False
+    assert get_device_spec("foo").is_available() is False
 
 
 def test_explicit_lmcache_driven_is_refused_by_the_router():
@@ -226,9 +232,9 @@ def _broken_neighbours(root: Path) -> Path:
 def test_broken_and_misnamed_plugins_beside_foo_are_skipped(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(_broken_neighbours(tmp_path)))
     reset_platform_caches()
-    failed = {n: r for n, _v, r in dd.failed_device_plugins()}
+    failed = {n: r for n, _v, r in failed_device_plugins()}
     assert failed["foo2"] == (
-        "ValueError: entry-point name must match DeviceSpec.backend_name ('foo2' != 'foo')"
+        "PluginError: entry-point name must match DeviceSpec.backend_name ('foo2' != 'foo')"
     )
     assert failed["foobroken"] == "ImportError: foo-extras runtime is missing"
     with install_fake_device("foo"):
@@ -238,7 +244,7 @@ def test_broken_and_misnamed_plugins_beside_foo_are_skipped(tmp_path, monkeypatc
 
         assert lmcache.torch_device_type == "foo"
         assert isinstance(lmcache.device_ops, FooDeviceOps)
-        assert type(dd.resolve_device_ops("cpu")).__name__ == "CpuDeviceOps"
+        assert type(resolve_device_ops("cpu")).__name__ == "CpuDeviceOps"
 
 
 def test_lmcache_plugins_cli_reports_foo_and_the_broken_plugins(tmp_path):
@@ -282,16 +288,16 @@ def test_lmcache_plugins_cli_reports_foo_and_the_broken_plugins(tmp_path):
 def test_advanced_foo_passes_the_lmcache_driven_checks_and_crosses_the_wire():
     from lmcache.v1.platform import resolve_kv_wrapper_factory
     from lmcache.v1.platform.base import ipc_wire
+    from lmcache.v1.platform.base.device_spec import effective_lmcache_driven_available
     from lmcache.v1.platform.base.event_ipc import get_event_ipc_backend
     from lmcache.v1.platform.cache_context import create_cache_context
-    from lmcache.v1.platform.transfer_mode import effective_lmcache_driven_available
     from lmcache_foo.advanced import FooAdvancedDeviceSpec
     from lmcache_foo.cache_context import FooCacheContext
     from lmcache_foo.ipc_wrapper import FooIPCWrapper
 
     spec = FooAdvancedDeviceSpec()
     with install_fake_device("foo", with_ipc_events=True), extra_device_specs(spec):
-        assert dd.get_device_spec("foo") is spec
+        assert get_device_spec("foo") is spec
         # 1. wrapper factory
         factory = resolve_kv_wrapper_factory("foo")
         assert factory == FooIPCWrapper.wrap

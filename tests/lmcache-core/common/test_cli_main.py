@@ -88,6 +88,21 @@ def test_cli_error_is_one_line_without_traceback(monkeypatch, capsys):
     assert "Traceback" not in err
 
 
+def test_lmcache_errors_print_their_message_alone(monkeypatch, capsys):
+    from lmcache.v1.errors import UnknownL2AdapterTypeError
+
+    def fail(_args):
+        raise UnknownL2AdapterTypeError("nope", ["mock"], where="--l2-adapter #1")
+
+    monkeypatch.setattr(cli_main, "build_parser", lambda *_: _parser_with(fail))
+    assert cli_main.main(["boom"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(
+        "lmcache boom: error: --l2-adapter #1: unknown L2 adapter type 'nope'; known types: mock."
+    )
+    assert "UnknownL2AdapterTypeError" not in err and "Traceback" not in err
+
+
 def test_unexpected_exception_is_reported_without_traceback(monkeypatch, capsys):
     def fail(_args):
         raise RuntimeError("port 5555 is in use; pass --port")

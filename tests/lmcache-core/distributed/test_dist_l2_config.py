@@ -25,6 +25,7 @@ from lmcache.v1.distributed.l2_adapters.config import (
 from lmcache.v1.distributed.l2_adapters.mock_l2_adapter import MockL2AdapterConfig
 from lmcache.v1.distributed.l2_adapters.native_plugin_l2_adapter import NativePluginL2AdapterConfig
 from lmcache.v1.distributed.l2_adapters.plugin_l2_adapter import PluginL2AdapterConfig
+from lmcache.v1.errors import PluginError, UnknownL2AdapterTypeError
 
 MOCK = {"type": "mock", "max_size_gb": 1.0, "mock_bandwidth_gb": 10.0}
 
@@ -74,7 +75,7 @@ def test_help_example_parses():
         (('{"max_size_gb": 1}',), "--l2-adapter #1: missing 'type' field"),
         (
             ('{"type": "nope"}',),
-            "--l2-adapter #1: unknown adapter type 'nope'. Known: ",
+            "--l2-adapter #1: unknown L2 adapter type 'nope'; known types: ",
         ),
         (
             (json.dumps(MOCK), '{"type": "mock", "max_size_gb": 1}'),
@@ -92,11 +93,22 @@ def test_parse_error_texts(args, message):
     assert str(exc.value).startswith(message)
 
 
-def test_unknown_type_lists_known_names():
-    with pytest.raises(ValueError) as exc:
+def test_unknown_type_names_the_value_the_known_types_and_the_fix():
+    with pytest.raises(UnknownL2AdapterTypeError) as exc:
         parse('{"type": "aerospike"}')
-    known = str(exc.value).split("Known: ", 1)[1]
+    message = str(exc.value)
+    known = message.split("known types: ", 1)[1].split(". Fix the spelling", 1)[0]
     assert known == ", ".join(get_registered_l2_adapter_types())
+    assert "pip install lmcache-aerospike" in message and "`lmcache plugins`" in message
+    assert isinstance(exc.value, ValueError) and exc.value.type_name == "aerospike"
+
+
+def test_unknown_type_is_worded_the_same_everywhere():
+    with pytest.raises(UnknownL2AdapterTypeError) as direct:
+        get_l2_adapter_config_class("aerospike")
+    with pytest.raises(UnknownL2AdapterTypeError) as parsed:
+        parse('{"type": "aerospike"}')
+    assert str(parsed.value) == f"--l2-adapter #1: {direct.value}"
 
 
 def test_from_dict_error_logs_help(caplog):
@@ -161,7 +173,7 @@ def test_static_helper_errors():
     assert B._parse_persist_config({}).persist_enabled is True
 
 
-def test_registry_errors_and_reverse_mapping():
+def test_registry_errors_and_reverse_mapping(l2_registry):
     with pytest.raises(ValueError, match=r"^L2 adapter type already registered: 'mock'"):
         register_l2_adapter_type("mock", MockL2AdapterConfig)
     with pytest.raises(ValueError, match=r"^L2 adapter factory already registered: mock"):
@@ -177,7 +189,7 @@ def test_registry_errors_and_reverse_mapping():
         get_type_name_for_config(Unregistered(1.0, 1.0))
 
 
-def test_alias_resolves_to_canonical_type():
+def test_alias_resolves_to_canonical_type(l2_registry):
     from lmcache.v1.distributed.l2_adapters.hookspecs import L2AdapterTypeSpec
 
     class RespLikeConfig(MockL2AdapterConfig):
@@ -194,9 +206,10 @@ def test_alias_resolves_to_canonical_type():
     assert alias in get_registered_l2_adapter_types()
     described = {d["name"]: d for d in factory.describe_l2_adapter_types()}
     assert described[name]["aliases"] == [alias]
+    assert l2_registry.aliases_of(name) == (alias,)
 
 
-def test_no_factory_error_and_both_import_paths():
+def test_no_factory_error_and_both_import_paths(l2_registry):
     from lmcache.v1.distributed.l2_adapters.config import create_l2_adapter_from_registry as c1
     from lmcache.v1.distributed.l2_adapters.factory import create_l2_adapter_from_registry as c2
 
@@ -206,13 +219,15 @@ def test_no_factory_error_and_both_import_paths():
     name = f"orphan_{uuid.uuid4().hex[:6]}"
     register_l2_adapter_type(name, Orphan)
     for fn in (c1, c2):
-        with pytest.raises(
-            ValueError, match=rf"^No adapter factory registered for type {name}\. Make sure"
-        ):
+        with pytest.raises(PluginError) as exc:
             fn(Orphan(1.0, 1.0))
+        assert str(exc.value) == (
+            f"L2 adapter type {name!r} has a config class but no factory: the module that "
+            f"registers it must also call register_l2_adapter_factory({name!r}, factory)"
+        )
 
 
-def test_pending_module_import_error_reraised(tmp_path, monkeypatch):
+def test_pending_module_import_error_reraised(l2_registry):
     factory.add_pending_module("definitely_missing_module_xyz")
     with pytest.raises(ImportError):
         factory.ensure_adapter_loaded("never_registered_name")
@@ -474,7 +489,6 @@ def test_one_argument_lookup_detected(plugin_module):
     from lmcache.v1.distributed.api import ObjectKey
 
     a = create({"module_path": plugin_module, "class_name": "OneArgLookup"})
-    assert a._lmcache_lookup_one_arg is True
     tid = submit_lookup(a, [ObjectKey(b"\x01", "m", 0)], {0: None})
     assert a.query_lookup_and_lock_result(tid).test(0) is False
     a.close()

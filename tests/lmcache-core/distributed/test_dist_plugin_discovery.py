@@ -15,6 +15,7 @@ from lmcache.v1.distributed.l2_adapters.config import (
     get_registered_l2_adapter_types,
 )
 from lmcache.v1.distributed.l2_adapters.mock_l2_adapter import MockL2Adapter
+from lmcache.v1.distributed.l2_adapters.registry import L2AdapterRegistry, use_l2_adapter_registry
 
 HOOKS = textwrap.dedent(
     """
@@ -82,16 +83,15 @@ def plugin_env(tmp_path, monkeypatch):
         },
     )
     monkeypatch.syspath_prepend(str(tmp_path))
-    factory.refresh_l2_adapter_plugins()
-    yield names, f"vendor_{tag}"
-    factory.refresh_l2_adapter_plugins()
+    with use_l2_adapter_registry(L2AdapterRegistry()) as registry:
+        yield names, f"vendor_{tag}", registry
     for m in list(sys.modules):
         if m.startswith(good):
             del sys.modules[m]
 
 
 def test_entry_point_types_register_and_broken_ones_are_skipped(plugin_env):
-    names, dist = plugin_env
+    names, dist, _ = plugin_env
     types = get_registered_l2_adapter_types()
     assert names["good"] in types and names["alias"] in types
     for t in ("plugin", "native_plugin", "mock", "fault_inject"):
@@ -120,7 +120,7 @@ def test_entry_point_adapter_is_creatable_via_alias(plugin_env):
         parse_args_to_l2_adapters_config,
     )
 
-    names, _ = plugin_env
+    names, _, _ = plugin_env
     parser = argparse.ArgumentParser()
     add_l2_adapters_args(parser)
     spec = {"type": names["alias"], "max_size_gb": 0.01, "mock_bandwidth_gb": 10.0}
@@ -134,8 +134,64 @@ def test_entry_point_adapter_is_creatable_via_alias(plugin_env):
 
 
 def test_lazy_loading_tries_the_named_entry_point_first(plugin_env):
-    names, _ = plugin_env
+    names, _, registry = plugin_env
     cls = get_l2_adapter_config_class(names["good"])
     assert cls.__name__ == "GoodConfig"
     # only the named entry point was needed; the broken one was not touched yet
-    assert names["broken"] not in factory._EP_DONE
+    assert registry.entry_points_tried() == {names["good"]}
+
+
+def test_refresh_finds_a_wheel_installed_after_the_first_scan(tmp_path, monkeypatch):
+    tag = uuid.uuid4().hex[:8]
+    name = f"zz_late_{tag}"
+    registry = L2AdapterRegistry()
+    assert name not in registry.names()
+    (tmp_path / f"late_{tag}_hooks.py").write_text(
+        HOOKS.format(cls="LateConfig", name=name, alias=f"zz_latealias_{tag}")
+    )
+    make_dist(tmp_path, f"late_{tag}", {name: f"late_{tag}_hooks"})
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        assert name not in registry.names()  # entry points are scanned once
+        registry.refresh()
+        assert name in registry.names()
+        assert registry.config_class(name).__name__ == "LateConfig"
+    finally:
+        sys.modules.pop(f"late_{tag}_hooks", None)
+
+
+def _runtime_imports(path):
+    """Modules ``path`` imports outside ``if TYPE_CHECKING:`` blocks, inside functions too."""
+    import ast
+
+    tree = ast.parse(path.read_text())
+    typing_only = {
+        id(sub)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and getattr(node.test, "id", "") == "TYPE_CHECKING"
+        for sub in ast.walk(node)
+    }
+    out = set()
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.ImportFrom) and node.module:
+            out.add(node.module)
+            out.update(f"{node.module}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+    return out
+
+
+def test_config_and_factory_import_the_registry_one_way():
+    """No import circle: config and factory both sit on the registry, never on each other."""
+    from pathlib import Path
+
+    from lmcache.v1.distributed.l2_adapters import registry
+
+    here = Path(registry.__file__).parent
+    pkg = "lmcache.v1.distributed.l2_adapters"
+    for module, never in (("config", "factory"), ("factory", "config"), ("registry", "config")):
+        imports = _runtime_imports(here / f"{module}.py")
+        assert f"{pkg}.{never}" not in imports, f"{module}.py imports {never}.py at run time"
+    assert f"{pkg}.registry" in _runtime_imports(here / "config.py")

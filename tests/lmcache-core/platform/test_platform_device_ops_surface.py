@@ -46,9 +46,9 @@ def test_33_ops_are_declared_on_the_class_body_with_the_baseline_signature():
 
 
 def test_every_registered_specs_ops_class_has_all_ops():
-    from lmcache.v1.platform._device_detect import _build_backend_registry
+    from lmcache.v1.platform import default_device_registry
 
-    for name, spec in _build_backend_registry().items():
+    for name, spec in default_device_registry().backends().items():
         cls = spec.ops_cls
         for op in DEVICE_OP_NAMES:
             assert callable(getattr(cls, op, None)), (name, op)

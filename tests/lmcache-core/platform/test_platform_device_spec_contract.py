@@ -8,13 +8,13 @@ import threading
 import pytest
 
 from lmcache.v1.platform.base.device_ops import DeviceOps
-from lmcache.v1.platform.base.device_spec import DeviceSpec
-from lmcache.v1.platform.base.pin_memory import PinMemoryBackend
-from lmcache.v1.platform.transfer_mode import (
-    MPTransferMode,
+from lmcache.v1.platform.base.device_spec import (
+    DeviceSpec,
     effective_default_mode,
     effective_lmcache_driven_available,
 )
+from lmcache.v1.platform.base.pin_memory import PinMemoryBackend
+from lmcache.v1.platform.transfer_mode import MPTransferMode
 
 
 def test_bare_device_spec_is_the_noop_fallback():

@@ -11,7 +11,16 @@ import uuid
 
 import pytest
 
-from lmcache.v1.platform import _device_detect as dd
+from lmcache.v1.platform import (
+    Detection,
+    DeviceRegistry,
+    default_device_registry,
+    failed_device_plugins,
+    get_device_spec,
+    get_torch_device,
+    reset_platform_caches,
+    resolve_device_ops,
+)
 from lmcache.v1.platform.base.device_ops import DeviceOps
 from lmcache.v1.platform.base.device_spec import DeviceSpec
 from lmcache.v1.platform.testing import extra_device_specs, install_fake_device
@@ -108,27 +117,28 @@ def test_broken_entry_points_are_logged_listed_and_skipped(plugin_dir, caplog):
         {mod: PLUGIN_SRC, boom: "raise ImportError('vendor runtime missing')\n"},
     )
     with caplog.at_level(logging.WARNING, logger="lmcache"):
-        registry = dd._build_backend_registry()
-    failed = {name: (value, reason) for name, value, reason in dd.failed_device_plugins()}
+        registry = default_device_registry().backends()
+    failed = {name: (value, reason) for name, value, reason in failed_device_plugins()}
     expected = {
-        "notclass": "TypeError: entry point must resolve to a DeviceSpec subclass",
-        "itself": "TypeError: entry point must resolve to a DeviceSpec subclass",
-        "plain": "TypeError: entry point must resolve to a DeviceSpec subclass",
+        "notclass": "PluginError: entry point must resolve to a DeviceSpec subclass",
+        "itself": "PluginError: entry point must resolve to a DeviceSpec subclass",
+        "plain": "PluginError: entry point must resolve to a DeviceSpec subclass",
         "importboom": "ImportError: vendor runtime missing",
         "ctor": "RuntimeError: constructor exploded",
-        "notinstance": "TypeError: entry point must construct a DeviceSpec instance",
-        "upper": "ValueError: device_type must be a non-empty lowercase string",
-        "empty": "ValueError: backend_name must be a non-empty lowercase string",
-        "wrongname": "ValueError: entry-point name must match DeviceSpec.backend_name "
+        "notinstance": "PluginError: entry point must construct a DeviceSpec instance",
+        "upper": "PluginError: device_type must be a non-empty lowercase string",
+        "empty": "PluginError: backend_name must be a non-empty lowercase string",
+        "wrongname": "PluginError: entry-point name must match DeviceSpec.backend_name "
         "('wrongname' != 'zeda')",
     }
     for name, reason in expected.items():
         assert failed[name] == (eps[name], reason)
         assert (
-            f"Failed to load LMCache device plugin {name!r} ({eps[name]}): {reason}" in caplog.text
+            f"Failed to load LMCache device plugin {name!r} ({eps[name]}, distribution "
+            f"broken-device-plugins): {reason}" in caplog.text
         )
     assert "zeda" in registry and "zeda" not in failed
-    src = dd.backend_sources()["zeda"]
+    src = default_device_registry().sources()["zeda"]
     assert (src.kind, src.distribution, src.version) == (
         "entry point",
         "broken-device-plugins",
@@ -139,8 +149,8 @@ def test_broken_entry_points_are_logged_listed_and_skipped(plugin_dir, caplog):
     from lmcache.v1.platform.devices.cpu import CpuDeviceOps, CpuDeviceSpec
 
     assert isinstance(resolve_device_ops("cpu"), CpuDeviceOps)
-    assert isinstance(dd.get_device_spec("cpu"), CpuDeviceSpec)
-    assert dd.get_torch_device()[1] == "cpu"
+    assert isinstance(get_device_spec("cpu"), CpuDeviceSpec)
+    assert get_torch_device()[1] == "cpu"
 
 
 def test_duplicate_backend_first_wins_and_third_party_never_replaces_first_party(
@@ -182,7 +192,7 @@ class {cls}(DeviceSpec):
     plugin_dir("first-party-cuda", {"cuda": f"{first_mod}:FirstCuda"})
     try:
         with caplog.at_level(logging.WARNING, logger="lmcache"):
-            registry = dd._build_backend_registry()
+            registry = default_device_registry().backends()
         assert type(registry["dupe"]).__name__ == "DupA"
         assert (
             "Ignoring DeviceSpec DupB because backend_name 'dupe' is already registered by DupA"
@@ -199,49 +209,49 @@ def test_shared_device_type_selection_rules(monkeypatch):
     Beta = make_spec("beta", "zed")
     alpha, beta = Alpha(), Beta()
     with install_fake_device("zed"), extra_device_specs(alpha, beta):
-        assert dd._build_device_registry()["zed"] == (alpha, beta)
+        assert default_device_registry().device_types()["zed"] == (alpha, beta)
         # DEVICE_TYPE alone with both available -> error naming LMCACHE_DEVICE_BACKEND
         monkeypatch.setenv("DEVICE_TYPE", "zed")
         with pytest.raises(RuntimeError) as ei:
-            dd.get_torch_device()
+            get_torch_device()
         assert str(ei.value) == (
             "Multiple LMCache backends are available for device_type 'zed': alpha, beta. "
             "Set LMCACHE_DEVICE_BACKEND=<backend_name> to choose one explicitly."
         )
         # auto-detection hits the same rule
         monkeypatch.delenv("DEVICE_TYPE")
-        dd.reset_caches()
+        reset_platform_caches()
         with pytest.raises(RuntimeError, match="LMCACHE_DEVICE_BACKEND"):
-            dd.get_torch_device()
+            get_torch_device()
         # LMCACHE_DEVICE_BACKEND picks one, for detection and for lookups
         monkeypatch.setenv("LMCACHE_DEVICE_BACKEND", "beta")
-        dd.reset_caches()
-        assert dd.get_torch_device()[1] == "zed"
-        assert dd.current_device_spec() is beta
-        assert dd.get_device_spec("zed") is beta
-        assert dd.resolve_device_ops("zed") is beta.get_ops()
+        reset_platform_caches()
+        assert get_torch_device()[1] == "zed"
+        assert default_device_registry().current_device_spec() is beta
+        assert get_device_spec("zed") is beta
+        assert resolve_device_ops("zed") is beta.get_ops()
         # exactly one available -> chosen automatically
         monkeypatch.delenv("LMCACHE_DEVICE_BACKEND")
         Alpha.avail = False
-        dd.reset_caches()
-        assert dd.get_device_spec("zed") is beta
-        assert dd.current_device_spec() is beta
+        reset_platform_caches()
+        assert get_device_spec("zed") is beta
+        assert default_device_registry().current_device_spec() is beta
         monkeypatch.setenv("DEVICE_TYPE", "zed")
-        dd.reset_caches()
-        assert dd.current_device_spec() is beta
+        reset_platform_caches()
+        assert default_device_registry().current_device_spec() is beta
 
 
 def test_resolve_lookup_with_several_available_and_no_choice_raises():
     A = make_spec("one", "twin")
     B = make_spec("two", "twin")
     with extra_device_specs(A(), B()):
-        assert dd.get_device_spec("twin") is None  # never raises
+        assert get_device_spec("twin") is None  # never raises
         with pytest.raises(
             RuntimeError, match="Multiple DeviceSpec backends are available for accelerator 'twin'"
         ):
-            dd.resolve_device_ops("twin")
+            resolve_device_ops("twin")
         B.avail = False
-        assert isinstance(dd.resolve_device_ops("twin"), DeviceOps)
+        assert isinstance(resolve_device_ops("twin"), DeviceOps)
 
 
 def test_default_name_rule_without_hardware():
@@ -249,8 +259,8 @@ def test_default_name_rule_without_hardware():
     B = make_spec("other", "shared", available=False)
     a = A()
     with extra_device_specs(B(), a):
-        assert dd.get_device_spec("shared") is a
-        assert dd._resolve_device_spec("shared") is a
+        assert get_device_spec("shared") is a
+        assert default_device_registry().resolve_device_spec("shared") is a
 
 
 def test_explicit_backend_errors(monkeypatch):
@@ -259,22 +269,22 @@ def test_explicit_backend_errors(monkeypatch):
     with extra_device_specs(Down(), NoMod()):
         monkeypatch.setenv("LMCACHE_DEVICE_BACKEND", "  NotThere ")
         with pytest.raises(RuntimeError) as ei:
-            dd.get_torch_device()
-        names = ", ".join(sorted(dd._build_backend_registry()))
+            get_torch_device()
+        names = ", ".join(sorted(default_device_registry().backends()))
         assert str(ei.value) == (
             f"LMCACHE_DEVICE_BACKEND='notthere' is not registered. Available backends: {names}."
         )
         monkeypatch.setenv("LMCACHE_DEVICE_BACKEND", "downy")
-        dd.reset_caches()
+        reset_platform_caches()
         with pytest.raises(RuntimeError) as ei:
-            dd.get_torch_device()
+            get_torch_device()
         assert str(ei.value) == (
             "LMCACHE_DEVICE_BACKEND='downy' is registered but not available on this host."
         )
         monkeypatch.setenv("LMCACHE_DEVICE_BACKEND", "nomod")
-        dd.reset_caches()
+        reset_platform_caches()
         with pytest.raises(RuntimeError) as ei:
-            dd.get_torch_device()
+            get_torch_device()
         assert str(ei.value) == (
             "LMCACHE_DEVICE_BACKEND='nomod' resolved to device_type='nomodtype', but torch "
             "has no module 'no_such_torch_module'."
@@ -284,7 +294,7 @@ def test_explicit_backend_errors(monkeypatch):
 def test_unknown_device_type_warns_and_auto_detects(monkeypatch, caplog):
     monkeypatch.setenv("DEVICE_TYPE", "Quantum")
     with caplog.at_level(logging.WARNING, logger="lmcache"):
-        module, device_type = dd.get_torch_device()
+        module, device_type = get_torch_device()
     assert device_type == "cpu" and repr(module) == "StubCPUDevice(device_type=cpu)"
     assert (
         "DEVICE_TYPE='quantum' is not available or not registered, falling back to auto-detection."
@@ -297,7 +307,7 @@ def test_device_type_available_without_torch_module_warns(monkeypatch, caplog):
     with extra_device_specs(Lonely()):
         monkeypatch.setenv("DEVICE_TYPE", "lonely")
         with caplog.at_level(logging.WARNING, logger="lmcache"):
-            assert dd.get_torch_device()[1] == "cpu"
+            assert get_torch_device()[1] == "cpu"
     assert (
         "backend [lonely] for device [lonely] is available, but torch module [lonely_missing] "
         "is not found." in caplog.text
@@ -313,7 +323,7 @@ def test_two_device_types_available_first_wins_with_warning(caplog):
         extra_device_specs(First(), Second()),
     ):
         with caplog.at_level(logging.WARNING, logger="lmcache"):
-            assert dd.get_torch_device()[1] == "bbbdev"
+            assert get_torch_device()[1] == "bbbdev"
         assert (
             "Multiple device types are available (bbbdev, aaadev); selected 'bbbdev'. "
             "Set DEVICE_TYPE to choose another." in caplog.text
@@ -330,7 +340,7 @@ def test_cuda_type_is_probed_first():
         install_fake_device("cuda"),
         extra_device_specs(Other(), Cuda()),
     ):
-        assert dd.get_torch_device()[1] == "cuda"
+        assert get_torch_device()[1] == "cuda"
 
 
 def test_no_accelerator_falls_back_to_stub_detection_runs_once(caplog):
@@ -339,14 +349,14 @@ def test_no_accelerator_falls_back_to_stub_detection_runs_once(caplog):
         import lmcache
 
         with caplog.at_level(logging.INFO, logger="lmcache"):
-            first = dd.get_torch_device()
-            dd.get_torch_device()
-            dd.current_device_spec()
+            first = get_torch_device()
+            get_torch_device()
+            default_device_registry().current_device_spec()
             assert lmcache.torch_device_type == "cpu"
             assert repr(lmcache.torch_dev) == "StubCPUDevice(device_type=cpu)"
             from lmcache import device_ops  # PEP 562 hook on the namespace package
 
-            assert device_ops is dd.resolve_device_ops("cpu")
+            assert device_ops is resolve_device_ops("cpu")
         assert repr(first[0]) == "StubCPUDevice(device_type=cpu)"
         lines = [
             r.getMessage()
@@ -360,7 +370,7 @@ def test_no_accelerator_falls_back_to_stub_detection_runs_once(caplog):
 def test_availability_probe_exceptions_mean_unavailable():
     Raising = make_spec("raiser", "raiser", available=RuntimeError("driver exploded"))
     with install_fake_device("raiser"), extra_device_specs(Raising()):
-        assert dd.get_torch_device()[1] == "cpu"
+        assert get_torch_device()[1] == "cpu"
 
 
 def test_resolve_device_ops_rules():
@@ -398,10 +408,13 @@ def test_registries_exposed_lazily_on_the_facade():
         assert getattr(plat, name) is not None
 
 
-def test_current_device_spec_fallback_warns_for_unknown_type(monkeypatch, caplog):
-    monkeypatch.setattr(dd, "_detect_device", lambda: (object(), "weird", None))
+def test_current_device_spec_fallback_warns_for_unknown_type(caplog):
+    class WeirdHost(DeviceRegistry):
+        def detect(self):
+            return Detection(object(), "weird", None)
+
     with caplog.at_level(logging.WARNING, logger="lmcache"):
-        spec = dd.current_device_spec()
+        spec = WeirdHost().current_device_spec()
     assert type(spec) is DeviceSpec
     assert (
         "No DeviceSpec registered for 'weird'; using fallback with no-op capabilities."
@@ -434,8 +447,7 @@ def test_import_never_runs_detection_errors_surface_on_access():
         import sys
         import lmcache.v1.platform as plat
         import lmcache.v1.platform.torch_ops
-        from lmcache.v1.platform import _device_detect as dd
-        assert dd._detected.cache_info().currsize == 0, "import ran detection"
+        assert "REGISTRY_MODULE" not in sys.modules, "import loaded the registry"
         import lmcache
         try:
             lmcache.device_ops
@@ -443,6 +455,7 @@ def test_import_never_runs_detection_errors_surface_on_access():
             print("RAISED", exc)
         """
     )
+    code = code.replace("REGISTRY_MODULE", DeviceRegistry.__module__)
     env = dict(os.environ, LMCACHE_DEVICE_BACKEND="bogus_backend")
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120

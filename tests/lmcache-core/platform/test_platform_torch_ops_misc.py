@@ -197,19 +197,26 @@ def test_hugepage_allocators_warn_and_fall_back():
     torch_ops.free_hugepage_pinned_numa_ptr(p, 4096)
 
 
-def test_pinned_allocation_failure_switches_to_unpinned_once(monkeypatch, caplog):
+def test_pinned_allocation_failure_switches_to_unpinned_once(caplog):
     import logging
+    import types
 
-    mem = torch_ops._memory
-    monkeypatch.setitem(mem._pin_state, "probe", True)  # pretend an accelerator is present
-    monkeypatch.setitem(mem._pin_state, "disabled", False)
-    with caplog.at_level(logging.WARNING, logger="lmcache"):
-        p1 = torch_ops.alloc_pinned_ptr(4096)  # CPU-only torch cannot pin -> fallback
-        p2 = torch_ops.alloc_pinned_ptr(4096)
-    assert mem._pin_state["disabled"] is True
+    from lmcache.v1.platform import DeviceRegistry, reset_platform_caches, use_device_registry
+
+    class AcceleratorHost(DeviceRegistry):  # pretend an accelerator is present
+        def get_torch_device(self):
+            return types.SimpleNamespace(is_available=lambda: True), "fakeacc"
+
+    with use_device_registry(AcceleratorHost()):
+        reset_platform_caches()
+        with caplog.at_level(logging.WARNING, logger="lmcache"):
+            p1 = torch_ops.alloc_pinned_ptr(4096)  # CPU-only torch cannot pin -> fallback
+            p2 = torch_ops.alloc_pinned_ptr(4096)
+            p3 = torch_ops.alloc_pinned_ptr(4096)
+    reset_platform_caches()
     assert caplog.text.count("using unpinned host memory") == 1
-    torch_ops.free_pinned_ptr(p1)
-    torch_ops.free_pinned_ptr(p2)
+    for p in (p1, p2, p3):
+        torch_ops.free_pinned_ptr(p)
 
 
 class PinRecordingSpec(DeviceSpec):
@@ -228,11 +235,19 @@ class PinRecordingSpec(DeviceSpec):
         return True
 
 
-def test_shm_allocator_name_stale_segment_and_pin_through_the_spec(monkeypatch):
-    from lmcache.v1.platform import _device_detect as dd
+def test_shm_allocator_name_stale_segment_and_pin_through_the_spec():
+    from lmcache.v1.platform import DeviceRegistry, use_device_registry
+
+    class PinRecordingHost(DeviceRegistry):
+        def current_device_spec(self):
+            return PinRecordingSpec()
 
     PinRecordingSpec.calls = []
-    monkeypatch.setattr(dd, "current_device_spec", lambda: PinRecordingSpec())
+    with use_device_registry(PinRecordingHost()):
+        _shm_round_trip()
+
+
+def _shm_round_trip():
     name = f"lmcache_test_{uuid.uuid4().hex[:10]}"
     stale = shared_memory.SharedMemory(name=name, create=True, size=64)
     stale.buf[:4] = b"OLD!"

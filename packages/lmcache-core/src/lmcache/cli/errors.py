@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from lmcache.v1.errors import LMCacheError
 
-class CLIError(Exception):
+
+class CLIError(LMCacheError):
     """A user-facing failure: the message names the bad value and the fix."""
 
     def __init__(self, message: str, exit_code: int = 2) -> None:

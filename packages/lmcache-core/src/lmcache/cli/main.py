@@ -15,6 +15,7 @@ import traceback
 from collections.abc import Sequence
 
 from lmcache.cli.errors import CLIError
+from lmcache.v1.errors import LMCacheError
 
 # (subcommand, module). Order is the order shown by ``lmcache --help``.
 SUBCOMMANDS: tuple[tuple[str, str], ...] = (
@@ -59,9 +60,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         code = func(args)
-    except CLIError as exc:
+    except LMCacheError as exc:  # its message names the bad value and the fix
         print(f"lmcache {args.command}: error: {exc}", file=sys.stderr)
-        return exc.exit_code
+        return exc.exit_code if isinstance(exc, CLIError) else 1
     except KeyboardInterrupt:
         return 130
     except Exception as exc:  # the CLI never shows a raw traceback

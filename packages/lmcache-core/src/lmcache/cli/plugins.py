@@ -30,12 +30,12 @@ def register(subparsers: argparse._SubParsersAction, with_flags: bool = True) ->
     parser.set_defaults(func=run)
 
 
-def _selection(dd: Any) -> dict[str, Any]:
+def _selection(dd: Any, registry: Any) -> dict[str, Any]:
     """Which backend detection picks, and why; detection errors are reported, not raised."""
     explicit = os.environ.get(dd.DEVICE_BACKEND_ENV_VAR, "").strip().lower()
     wanted = os.environ.get(dd.DEVICE_TYPE_ENV_VAR, "").strip().lower()
     try:
-        _module, device_type, backend = dd._detected()
+        _module, device_type, backend = registry.detect()
     except Exception as exc:
         return {"backend": None, "device_type": None, "reason": f"detection failed: {exc}"}
     if backend is None:
@@ -65,11 +65,11 @@ def collect() -> dict[str, Any]:
         raise CLIError(f"the device platform cannot be imported: {exc}") from None
 
     notes: list[str] = []
-    registry = dd._build_backend_registry()
-    sources = dd.backend_sources()
-    selected = _selection(dd)
+    registry = dd.default_device_registry()
+    sources = registry.sources()
+    selected = _selection(dd, registry)
     backends = []
-    for name, spec in registry.items():
+    for name, spec in registry.backends().items():
         src = sources.get(name)
         backends.append(
             {
@@ -84,12 +84,12 @@ def collect() -> dict[str, Any]:
                 "version": src.version if src and src.version else None,
                 # The spec's own answer (cpu: False, platform.md §5.6); the CPU backend is
                 # the fallback used when nothing else is available, reported separately.
-                "available": dd._probe(spec),
+                "available": registry.is_available(spec),
                 "fallback": name == "cpu",
                 "selected": name == selected.get("backend"),
             }
         )
-    failed = [{"name": n, "value": v, "reason": r} for n, v, r in dd.failed_device_plugins()]
+    failed = [{"name": n, "value": v, "reason": r} for n, v, r in registry.failed_plugins()]
 
     l2_types: list[dict[str, Any]] = []
     l2_failed: list[dict[str, str]] = []

@@ -20,13 +20,6 @@ LATER_HASH_ALGORITHMS = ("builtin", "sha256_cbor", "sha256_cbor_64bit")
 NONE_HASH: bytes = blake3((0).to_bytes(8, "big", signed=True) + (0).to_bytes(4, "big")).digest()
 
 
-def hash_to_bytes(h: bytes | int) -> bytes:
-    """bytes stay as they are; an int becomes 8-byte signed big-endian."""
-    if isinstance(h, bytes):
-        return h
-    return int(h).to_bytes(8, "big", signed=True)
-
-
 def tokens_to_be_bytes(token_ids: list[int] | np.ndarray | bytes) -> bytes:
     """uint32 big-endian bytes of the tokens; ValueError names an out-of-range token.
 

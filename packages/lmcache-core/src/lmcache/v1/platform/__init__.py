@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from lmcache.v1.platform.base.active import install_active_platform
 from lmcache.v1.platform.base.device_spec import DeviceSpec
 
 # name -> (module, attribute) for plain re-exports
@@ -18,6 +19,10 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "get_torch_device": ("lmcache.v1.platform._device_detect", "get_torch_device"),
     "resolve_device_ops": ("lmcache.v1.platform._device_detect", "resolve_device_ops"),
     "failed_device_plugins": ("lmcache.v1.platform._device_detect", "failed_device_plugins"),
+    "Detection": ("lmcache.v1.platform._device_detect", "Detection"),
+    "DeviceRegistry": ("lmcache.v1.platform._device_detect", "DeviceRegistry"),
+    "default_device_registry": ("lmcache.v1.platform._device_detect", "default_device_registry"),
+    "use_device_registry": ("lmcache.v1.platform._device_detect", "use_device_registry"),
     "DEVICE_PLUGIN_ENTRY_POINT_GROUP": (
         "lmcache.v1.platform._device_detect",
         "DEVICE_PLUGIN_ENTRY_POINT_GROUP",
@@ -52,6 +57,34 @@ def _detect() -> Any:
     return importlib.import_module("lmcache.v1.platform._device_detect")
 
 
+def _registry() -> Any:
+    return _detect().default_device_registry()
+
+
+class _DefaultRegistryPlatform:
+    """The active platform of base modules: whatever registry is the default when asked.
+
+    Installed below at import; the registry module itself loads on the first question."""
+
+    def get_torch_device(self) -> tuple[Any, str]:
+        return _registry().get_torch_device()
+
+    def current_device_spec(self) -> DeviceSpec:
+        return _registry().current_device_spec()
+
+    def get_device_spec(self, device_type: str) -> DeviceSpec | None:
+        return _registry().get_device_spec(device_type)
+
+    def resolve_device_ops(self, device_type: str) -> Any:
+        return _registry().resolve_device_ops(device_type)
+
+    def backends(self) -> dict[str, DeviceSpec]:
+        return _registry().backends()
+
+
+install_active_platform(_DefaultRegistryPlatform())
+
+
 def get_device_ops() -> Any:
     """The DeviceOps singleton of the detected device type."""
     dd = _detect()
@@ -60,7 +93,7 @@ def get_device_ops() -> Any:
 
 def resolve_kv_wrapper_factory(device_type: str) -> Any:
     """``wrap`` of the spec's IPC wrapper class (the lmcache_driven hard check #1)."""
-    spec = _detect()._resolve_device_spec(device_type)
+    spec = _registry().resolve_device_spec(device_type)
     cls = spec.ipc_wrapper_cls
     if cls is None:
         raise ValueError(f"No KV-cache wrapper factory registered for device type {device_type!r}")
@@ -86,7 +119,7 @@ def synchronize_device(device: Any = None) -> None:
         device_type = dev.type if isinstance(dev, torch.device) else str(dev).split(":", 1)[0]
         if device_type == "cpu":
             return
-    spec = _detect()._resolve_device_spec(device_type)
+    spec = _registry().resolve_device_spec(device_type)
     module = getattr(torch, spec.torch_module_name, None)
     if module is None:
         raise RuntimeError(
@@ -117,8 +150,9 @@ def __getattr__(name: str) -> Any:
         return get_device_ops()
     if name == "current_device_spec":
         return _detect().current_device_spec()
+    # 0.5.6 module attributes: backend_name -> spec, device_type -> (specs...)
     if name == "_DEVICE_REGISTRY":
-        return _detect()._build_backend_registry()
+        return _registry().backends()
     if name == "_DEVICE_TYPE_REGISTRY":
-        return _detect()._build_device_registry()
+        return _registry().device_types()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

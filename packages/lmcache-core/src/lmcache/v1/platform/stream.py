@@ -10,15 +10,16 @@ from typing import Any
 
 
 def _spec_for(device: Any) -> Any:
-    from lmcache.v1.platform._device_detect import _resolve_device_spec, get_torch_device
+    from lmcache.v1.platform._device_detect import default_device_registry
 
+    registry = default_device_registry()
     if device is None or isinstance(device, int) and not isinstance(device, bool):
-        device_type = get_torch_device()[1]
+        device_type = registry.get_torch_device()[1]
     elif hasattr(device, "type"):
         device_type = str(device.type)
     else:
         device_type = str(device).split(":", 1)[0]
-    return _resolve_device_spec(device_type)
+    return registry.resolve_device_spec(device_type)
 
 
 def _torch_device(device: Any) -> Any:

@@ -317,18 +317,25 @@ def install_fake_device(
 
 
 @contextlib.contextmanager
-def extra_device_specs(*specs: Any) -> Iterator[None]:
-    """Register spec instances (after CPU, before entry points) for the duration."""
-    from lmcache.v1.platform import _device_detect
+def extra_device_specs(*specs: Any) -> Iterator[Any]:
+    """Use a fresh default ``DeviceRegistry`` that also registers ``specs`` (after CPU and
+    any specs an enclosing call added, before entry points); yields that registry."""
+    from lmcache.v1.platform._device_detect import (
+        DeviceRegistry,
+        default_device_registry,
+        use_device_registry,
+    )
 
-    saved = list(_device_detect._test_specs)
-    _device_detect._test_specs[:] = [*saved, *specs]
-    _reset()
+    outer = default_device_registry()
+    registry = DeviceRegistry(
+        [*outer.extra_specs, *specs], entry_point_group=outer.entry_point_group
+    )
     try:
-        yield
+        with use_device_registry(registry):
+            _reset()
+            yield registry
     finally:
-        _device_detect._test_specs[:] = saved
-        _reset()
+        _reset()  # the outer registry again, and wire tags / op singletons of the fresh one
 
 
 # ---- checks for device wheels' own tests -----------------------------------------------

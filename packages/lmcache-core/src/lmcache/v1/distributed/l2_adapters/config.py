@@ -1,9 +1,10 @@
-"""L2 adapter configuration, type registry and ``--l2-adapter`` parsing (spec §6).
+"""L2 adapter configuration and ``--l2-adapter`` parsing (spec §6).
 
 Every JSON object given to ``--l2-adapter`` names a registered ``type``; its config class
 (a ``L2AdapterConfigBase`` subclass) parses the rest with ``from_dict``. Types come from
 core (plugin, native_plugin, mock, fault_inject) and from wheels through the
-``lmcache.l2_adapters`` entry-point group (see ``factory`` and ``hookspecs``).
+``lmcache.l2_adapters`` entry-point group; the ``L2AdapterRegistry`` (``registry``) owns
+them, and the registry functions here answer from its default instance.
 """
 
 from __future__ import annotations
@@ -12,12 +13,13 @@ import abc
 import argparse
 import difflib
 import json
-import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from lmcache.utils import init_logger
 from lmcache.v1.distributed.config import EvictionConfig
+from lmcache.v1.distributed.l2_adapters.registry import default_l2_adapter_registry
+from lmcache.v1.errors import UnknownL2AdapterTypeError
 
 if TYPE_CHECKING:
     from lmcache.v1.distributed.internal_api import L1MemoryDesc
@@ -144,99 +146,39 @@ class L2AdaptersConfig:
     adapters: list[L2AdapterConfigBase] = field(default_factory=list)
 
 
-# --- registry ----------------------------------------------------------------------------
-
-_REGISTRY_LOCK = threading.RLock()
-_TYPES: dict[str, type[L2AdapterConfigBase]] = {}  # canonical names and aliases
-_ALIASES: dict[str, str] = {}  # alias -> canonical
+# --- registry (0.5.6's functions, answered by the default L2AdapterRegistry) ----------------
 
 
 def register_l2_adapter_type(name: str, cls: type[L2AdapterConfigBase]) -> None:
-    with _REGISTRY_LOCK:
-        if name in _TYPES:
-            raise ValueError(f"L2 adapter type already registered: {name!r}")
-        _TYPES[name] = cls
-
-
-def _register_alias(alias: str, canonical: str) -> None:
-    with _REGISTRY_LOCK:
-        if alias in _TYPES:
-            raise ValueError(f"L2 adapter type already registered: {alias!r}")
-        _TYPES[alias] = _TYPES[canonical]
-        _ALIASES[alias] = canonical
-
-
-def _is_registered(name: str) -> bool:
-    return name in _TYPES
-
-
-def _load(name: str | None) -> None:
-    from lmcache.v1.distributed.l2_adapters import factory
-
-    if name is None:
-        factory.load_all_l2_adapter_types()
-    else:
-        factory.ensure_adapter_loaded(name, raise_import_error=False)
+    default_l2_adapter_registry().register_type(name, cls)
 
 
 def get_l2_adapter_config_class(t: str) -> type[L2AdapterConfigBase]:
-    if t not in _TYPES:
-        _load(t)
-    try:
-        return _TYPES[t]
-    except KeyError:
-        raise ValueError(f"unknown L2 adapter type {t!r}") from None
+    """The config class of type (or alias) ``t``; ``UnknownL2AdapterTypeError`` otherwise."""
+    return default_l2_adapter_registry().config_class(t)
 
 
 def get_registered_l2_adapter_types() -> list[str]:
-    _load(None)
-    with _REGISTRY_LOCK:
-        return sorted(_TYPES)
+    """Every type name and alias, sorted (loads built-ins and plugins)."""
+    return default_l2_adapter_registry().names()
 
 
 def get_type_name_for_config(cfg: L2AdapterConfigBase) -> str:
-    cls = type(cfg)
-    with _REGISTRY_LOCK:
-        names = [n for n, c in _TYPES.items() if c is cls]
-    if not names:
-        _load(None)
-        with _REGISTRY_LOCK:
-            names = [n for n, c in _TYPES.items() if c is cls]
-    canonical = [n for n in names if n not in _ALIASES]
-    if canonical:
-        return canonical[0]
-    if names:
-        return _ALIASES[names[0]]
-    raise ValueError(f"Unregistered L2 adapter config type: {cls.__name__}")
-
-
-def canonical_type_name(name: str) -> str:
-    return _ALIASES.get(name, name)
-
-
-def aliases_of(name: str) -> tuple[str, ...]:
-    with _REGISTRY_LOCK:
-        return tuple(sorted(a for a, c in _ALIASES.items() if c == name))
+    return default_l2_adapter_registry().type_name_for_config(cfg)
 
 
 def create_l2_adapter_from_registry(
     cfg: L2AdapterConfigBase, l1_memory_desc: L1MemoryDesc | None = None
 ) -> L2AdapterInterface:
-    """Also exported here (IMPROVE §0.1): see ``factory.create_l2_adapter_from_registry``."""
-    from lmcache.v1.distributed.l2_adapters.factory import (
-        create_l2_adapter_from_registry as _create,
-    )
-
-    return _create(cfg, l1_memory_desc)
+    """Also exported here (IMPROVE §0.1): builds the adapter ``cfg`` configures."""
+    return default_l2_adapter_registry().create(cfg, l1_memory_desc)
 
 
 # --- --l2-adapter ---------------------------------------------------------------------------
 
 
-def _help_example() -> str:
-    with _REGISTRY_LOCK:
-        has_fs = "fs" in _TYPES
-    if has_fs:
+def _help_example(types: list[str]) -> str:
+    if "fs" in types:
         return '{"type":"fs","base_path":"/data/lmcache"}'
     return '{"type":"mock","max_size_gb":1.0,"mock_bandwidth_gb":10.0}'
 
@@ -253,7 +195,7 @@ def add_l2_adapters_args(parser: argparse.ArgumentParser | Any) -> None:
         dest="l2_adapter",
         help=(
             "L2 adapter as a JSON object, repeatable (cascade in argument order). "
-            f"Types: {', '.join(types) or '(none)'}. Example: '{_help_example()}'"
+            f"Types: {', '.join(types) or '(none)'}. Example: '{_help_example(types)}'"
         ),
     )
 
@@ -292,15 +234,13 @@ def parse_l2_adapter_dict(i: int, d: Any) -> L2AdapterConfigBase:
     if "type" not in d:
         raise ValueError(f"--l2-adapter #{i}: missing 'type' field")
     t = d["type"]
+    registry = default_l2_adapter_registry()
     try:
-        cls = get_l2_adapter_config_class(t) if isinstance(t, str) else None
-    except ValueError:
+        cls = registry.config_class(t) if isinstance(t, str) else None
+    except UnknownL2AdapterTypeError:
         cls = None
     if cls is None:
-        known = get_registered_l2_adapter_types()
-        raise ValueError(
-            f"--l2-adapter #{i}: unknown adapter type {t!r}. Known: {', '.join(known) or '(none)'}"
-        )
+        raise registry.unknown_type_error(t, where=f"--l2-adapter #{i}")
     try:
         _warn_unknown_fields(i, t, cls, d)
         cfg = build_config_from_dict(cls, d)

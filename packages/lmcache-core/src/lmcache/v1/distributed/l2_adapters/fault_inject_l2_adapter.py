@@ -21,12 +21,9 @@ from lmcache.v1.distributed.l2_adapters.config import (
     L2AdapterConfigBase,
     build_config_from_dict,
     get_l2_adapter_config_class,
-    register_l2_adapter_type,
 )
-from lmcache.v1.distributed.l2_adapters.factory import (
-    create_l2_adapter_from_registry,
-    register_l2_adapter_factory,
-)
+from lmcache.v1.distributed.l2_adapters.factory import create_l2_adapter_from_registry
+from lmcache.v1.distributed.l2_adapters.hookspecs import L2AdapterTypeSpec, hookimpl
 from lmcache.v1.distributed.l2_adapters.wrapping import WrappingL2Adapter
 from lmcache.v1.memory_management import MemoryObj
 
@@ -196,5 +193,7 @@ def _create(
     return FaultInjectL2Adapter(config, l1_memory_desc)
 
 
-register_l2_adapter_type("fault_inject", FaultInjectL2AdapterConfig)
-register_l2_adapter_factory("fault_inject", _create)
+@hookimpl
+def lmcache_l2_adapter_types() -> list[L2AdapterTypeSpec]:
+    """Core's built-in ``fault_inject`` type (loaded by the registry like a wheel's hooks)."""
+    return [L2AdapterTypeSpec("fault_inject", FaultInjectL2AdapterConfig, _create)]

@@ -20,10 +20,9 @@ from lmcache.v1.distributed.internal_api import L1MemoryDesc, L2StoreResult
 from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface, L2TaskId
 from lmcache.v1.distributed.l2_adapters.config import (
     L2AdapterConfigBase,
-    register_l2_adapter_type,
 )
-from lmcache.v1.distributed.l2_adapters.factory import register_l2_adapter_factory
 from lmcache.v1.distributed.l2_adapters.health import HealthTracker
+from lmcache.v1.distributed.l2_adapters.hookspecs import L2AdapterTypeSpec, hookimpl
 from lmcache.v1.distributed.l2_adapters.utils import KeyLockTable, OnceResults, TaskIds
 from lmcache.v1.memory_management import MemoryObj
 from lmcache.v1.platform.event_notifier import create_event_notifier
@@ -280,5 +279,7 @@ def _create(config: L2AdapterConfigBase, l1_memory_desc: L1MemoryDesc | None) ->
     return MockL2Adapter(config, l1_memory_desc)
 
 
-register_l2_adapter_type("mock", MockL2AdapterConfig)
-register_l2_adapter_factory("mock", _create)
+@hookimpl
+def lmcache_l2_adapter_types() -> list[L2AdapterTypeSpec]:
+    """Core's built-in ``mock`` type (loaded by the registry like a wheel's hooks)."""
+    return [L2AdapterTypeSpec("mock", MockL2AdapterConfig, _create)]

@@ -15,9 +15,8 @@ from lmcache.utils import init_logger
 from lmcache.v1.distributed.internal_api import L1MemoryDesc
 from lmcache.v1.distributed.l2_adapters.config import (
     L2AdapterConfigBase,
-    register_l2_adapter_type,
 )
-from lmcache.v1.distributed.l2_adapters.factory import register_l2_adapter_factory
+from lmcache.v1.distributed.l2_adapters.hookspecs import L2AdapterTypeSpec, hookimpl
 from lmcache.v1.distributed.l2_adapters.native_connector_l2_adapter import (
     NativeConnectorL2Adapter,
 )
@@ -99,5 +98,7 @@ def _create(
     return create_native_plugin_l2_adapter(config, l1_memory_desc)
 
 
-register_l2_adapter_type("native_plugin", NativePluginL2AdapterConfig)
-register_l2_adapter_factory("native_plugin", _create)
+@hookimpl
+def lmcache_l2_adapter_types() -> list[L2AdapterTypeSpec]:
+    """Core's built-in ``native_plugin`` type (loaded by the registry like a wheel's hooks)."""
+    return [L2AdapterTypeSpec("native_plugin", NativePluginL2AdapterConfig, _create)]

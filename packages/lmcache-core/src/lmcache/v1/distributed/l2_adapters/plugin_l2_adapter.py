@@ -21,9 +21,8 @@ from lmcache.v1.distributed.internal_api import L1MemoryDesc
 from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface
 from lmcache.v1.distributed.l2_adapters.config import (
     L2AdapterConfigBase,
-    register_l2_adapter_type,
 )
-from lmcache.v1.distributed.l2_adapters.factory import register_l2_adapter_factory
+from lmcache.v1.distributed.l2_adapters.hookspecs import L2AdapterTypeSpec, hookimpl
 
 logger = init_logger(__name__)
 
@@ -175,5 +174,7 @@ def _create(config: L2AdapterConfigBase, l1_memory_desc: L1MemoryDesc | None) ->
     return create_plugin_l2_adapter(config, l1_memory_desc)
 
 
-register_l2_adapter_type("plugin", PluginL2AdapterConfig)
-register_l2_adapter_factory("plugin", _create)
+@hookimpl
+def lmcache_l2_adapter_types() -> list[L2AdapterTypeSpec]:
+    """Core's built-in ``plugin`` type (loaded by the registry like a wheel's hooks)."""
+    return [L2AdapterTypeSpec("plugin", PluginL2AdapterConfig, _create)]

@@ -33,11 +33,8 @@ def _device_type(kv_caches: Any) -> str:
 def create_transfer_context(
     kv_caches: Any, *, instance_id: int, req_client: Any, mode: Any = None, **kwargs: Any
 ) -> Any:
-    from lmcache.v1.platform.transfer_mode import (
-        MPTransferMode,
-        effective_default_mode,
-        resolve_mp_transfer_mode,
-    )
+    from lmcache.v1.platform.base.device_spec import effective_default_mode
+    from lmcache.v1.platform.transfer_mode import MPTransferMode, resolve_mp_transfer_mode
 
     device_type = _device_type(kv_caches)
     resolved = resolve_mp_transfer_mode(mode)
@@ -70,7 +67,7 @@ def _build_lmcache_driven_context(kv_caches: Any, device_type: str, **kwargs: An
         LMCacheDrivenTransferContext,
     )
     from lmcache.v1.platform import get_device_spec, resolve_kv_wrapper_factory
-    from lmcache.v1.platform.transfer_mode import effective_lmcache_driven_available
+    from lmcache.v1.platform.base.device_spec import effective_lmcache_driven_available
 
     try:
         factory = resolve_kv_wrapper_factory(device_type)

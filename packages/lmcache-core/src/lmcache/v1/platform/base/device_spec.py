@@ -11,7 +11,7 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from lmcache.utils import init_logger
-from lmcache.v1.platform.transfer_mode import MPTransferMode
+from lmcache.v1.platform.transfer_mode import MPTransferMode, parse_mp_transfer_mode
 
 if TYPE_CHECKING:
     from lmcache.v1.platform.base.device_ops import DeviceOps
@@ -30,6 +30,66 @@ def overrides(spec: Any, method_name: str) -> bool:
     """True when ``spec``'s class defines ``method_name`` somewhere other than DeviceSpec."""
     found = getattr(type(spec), method_name, None)
     return found is not None and found is not getattr(DeviceSpec, method_name)
+
+
+# ---- what a spec's answers mean for the MP transfer mode (platform.md §2.3) -----------
+
+_warned: set[tuple[str, str]] = set()
+
+
+def _warn_once(key: tuple[str, str], msg: str, *args: Any) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        logger.warning(msg, *args)
+
+
+def effective_lmcache_driven_available(spec: Any) -> bool:
+    """The router's capability gate (platform.md §2.3): ``is_lmcache_driven_available()``.
+
+    Logs once when a spec overrides both flags and they disagree.
+    """
+    lmc = bool(spec.is_lmcache_driven_available())
+    if overrides(spec, "is_lmcache_driven_available") and overrides(
+        spec, "is_handle_transfer_available"
+    ):
+        handle = bool(spec.is_handle_transfer_available())
+        if handle != lmc:
+            _warn_once(
+                ("disagree", type(spec).__qualname__),
+                "DeviceSpec %s: is_lmcache_driven_available()=%s disagrees with "
+                "is_handle_transfer_available()=%s; using the former",
+                type(spec).__qualname__,
+                lmc,
+                handle,
+            )
+    return lmc
+
+
+def effective_default_mode(spec: Any) -> MPTransferMode:
+    """What AUTO means for ``spec``: never AUTO; a raising/AUTO answer becomes ENGINE_DRIVEN."""
+    if spec is None:
+        return MPTransferMode.ENGINE_DRIVEN
+    name = getattr(spec, "backend_name", "?")
+    try:
+        mode = parse_mp_transfer_mode(spec.default_mp_transfer_mode())
+    except Exception as exc:
+        _warn_once(
+            ("raise", str(name)),
+            "DeviceSpec %s (backend %r): default_mp_transfer_mode() raised %s; using engine_driven",
+            type(spec).__qualname__,
+            name,
+            exc,
+        )
+        return MPTransferMode.ENGINE_DRIVEN
+    if mode is MPTransferMode.AUTO:
+        _warn_once(
+            ("auto", str(name)),
+            "DeviceSpec %s (backend %r): default_mp_transfer_mode() returned AUTO; using engine_driven",
+            type(spec).__qualname__,
+            name,
+        )
+        return MPTransferMode.ENGINE_DRIVEN
+    return mode
 
 
 def _rewrap_error(exc: BaseException, backend: str) -> BaseException:

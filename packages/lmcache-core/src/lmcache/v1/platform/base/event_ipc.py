@@ -7,6 +7,8 @@ import inspect
 import threading
 from typing import Any, Protocol, runtime_checkable
 
+from lmcache.v1.platform.base.active import active_platform
+
 
 @runtime_checkable
 class EventIPCBackend(Protocol):
@@ -55,9 +57,7 @@ class DefaultEventIPCBackend:
 
     def __init__(self, event_module: Any = None, device_type: str | None = None):
         if event_module is None or device_type is None:
-            from lmcache.v1.platform._device_detect import get_torch_device
-
-            active_module, active_type = get_torch_device()
+            active_module, active_type = active_platform().get_torch_device()
             event_module = active_module if event_module is None else event_module
             device_type = active_type if device_type is None else device_type
         self.event_module = event_module
@@ -110,9 +110,7 @@ def _device_type_of(device: Any) -> str:
     if isinstance(device, bool):
         raise TypeError(f"invalid device {device!r}")
     if isinstance(device, int):
-        from lmcache.v1.platform._device_detect import get_torch_device
-
-        return get_torch_device()[1]
+        return active_platform().get_torch_device()[1]
     dev_type = getattr(device, "type", None)
     if isinstance(dev_type, str):
         return dev_type
@@ -123,10 +121,8 @@ def _device_type_of(device: Any) -> str:
 
 def get_event_ipc_backend(device: Any) -> EventIPCBackend:
     """The event backend of ``device``'s own spec; never the active accelerator's."""
-    from lmcache.v1.platform._device_detect import get_device_spec
-
     device_type = _device_type_of(device)
-    spec = get_device_spec(device_type)
+    spec = active_platform().get_device_spec(device_type)
     if spec is None:
         raise RuntimeError(f"No DeviceSpec registered for device type {device_type!r}.")
     backend = spec.event_ipc_backend

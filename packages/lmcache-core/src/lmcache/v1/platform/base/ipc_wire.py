@@ -14,6 +14,7 @@ from typing import Any
 import msgspec
 
 from lmcache.utils import init_logger
+from lmcache.v1.platform.base.active import active_platform
 from lmcache.v1.platform.base.ipc_wrapper import DeviceIPCWrapper, TensorMetadata
 
 logger = init_logger(__name__)
@@ -79,9 +80,7 @@ def _ensure_specs() -> None:
         if _specs_done:
             return
         _specs_done = True
-        from lmcache.v1.platform._device_detect import _build_backend_registry
-
-        for name, spec in _build_backend_registry().items():
+        for name, spec in active_platform().backends().items():
             try:
                 types = tuple(spec.ipc_wire_types or ())
             except Exception as exc:

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from lmcache.utils import init_logger
+from lmcache.v1.platform.base.active import active_platform
 
 logger = init_logger(__name__)
 
@@ -26,9 +27,7 @@ _pin_state: dict[str, bool | None] = {"probe": None, "disabled": False}
 
 
 def _active_device_type() -> str:
-    from lmcache.v1.platform._device_detect import get_torch_device
-
-    return get_torch_device()[1]
+    return active_platform().get_torch_device()[1]
 
 
 # ---- lmcache_memcpy_async ----------------------------------------------------------------
@@ -85,9 +84,7 @@ def _want_pinned() -> bool:
         return False
     if _pin_state["probe"] is None:
         try:
-            from lmcache.v1.platform._device_detect import get_torch_device
-
-            module = get_torch_device()[0]
+            module = active_platform().get_torch_device()[0]
             _pin_state["probe"] = bool(module is not None and module.is_available())
         except Exception:
             _pin_state["probe"] = False
@@ -220,9 +217,7 @@ def alloc_shm_pinned_ptr(size: int, shm_name: str = "") -> int:
     with _alloc_lock:
         _shm_allocs[ptr] = (shm, size)
     try:
-        from lmcache.v1.platform._device_detect import current_device_spec
-
-        pinned = current_device_spec().pin_memory(ptr, size)
+        pinned = active_platform().current_device_spec().pin_memory(ptr, size)
     except Exception as exc:
         logger.warning("pinning shared memory /%s failed: %s", shm.name, exc)
         pinned = False
@@ -238,9 +233,7 @@ def free_shm_pinned_ptr(ptr: int, size: int = 0, shm_name: str = "") -> None:
         return
     shm, _size = entry
     try:
-        from lmcache.v1.platform._device_detect import current_device_spec
-
-        current_device_spec().unpin_memory(int(ptr))
+        active_platform().current_device_spec().unpin_memory(int(ptr))
     except Exception as exc:
         logger.warning("unpinning shared memory /%s failed: %s", shm.name, exc)
     try:
@@ -251,13 +244,6 @@ def free_shm_pinned_ptr(ptr: int, size: int = 0, shm_name: str = "") -> None:
         shm.unlink()
     except FileNotFoundError:
         pass
-
-
-def shm_name_of(ptr: int) -> str | None:
-    """The name (with leading ``/``) of the SHM segment allocated at ``ptr``, if any."""
-    with _alloc_lock:
-        entry = _shm_allocs.get(int(ptr))
-    return "/" + entry[0].name.lstrip("/") if entry else None
 
 
 def untrack_shm(shm: shared_memory.SharedMemory) -> None:
@@ -304,7 +290,5 @@ def host_tensor_from_ptr(ptr: int, shape: Any, dtype: torch.dtype) -> torch.Tens
 def _tensor_from_ptr(ptr: int, shape: Any, dtype: torch.dtype, device: Any = None) -> torch.Tensor:
     if not ptr:
         raise ValueError("_tensor_from_ptr: ptr is 0 (null address)")
-    from lmcache.v1.platform._device_detect import resolve_device_ops
-
     dev = torch.device(device if device is not None else "cpu")
-    return resolve_device_ops(dev.type).tensor_from_ptr(ptr, shape, dtype, device)
+    return active_platform().resolve_device_ops(dev.type).tensor_from_ptr(ptr, shape, dtype, device)

@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from lmcache.v1.platform.base.active import active_platform
+
 
 def calculate_cdf(input_tensor: torch.Tensor, num_bins: int) -> torch.Tensor:
     """Per (layer, channel) 16-bit CDF of symbol ids over tokens (platform.md §4.8)."""
@@ -41,10 +43,9 @@ _events: list[tuple[Any, Any, float, Any, Any]] = []
 
 def _order_before_publish() -> None:
     """Without stream callbacks, the baseline orders by waiting for the active device."""
-    from lmcache.v1.platform._device_detect import current_device_spec, get_torch_device
-
-    if get_torch_device()[1] != "cpu":
-        current_device_spec().synchronize_device(None)
+    platform = active_platform()
+    if platform.get_torch_device()[1] != "cpu":
+        platform.current_device_spec().synchronize_device(None)
 
 
 def record_completion_on_stream(cuda_stream_ptr: int, kind: Any, payload: bytes) -> None:
