@@ -391,7 +391,7 @@ def test_validation_errors(ops):
         ops.multi_layer_block_kv_transfer(layers, chunks, [0], "cpu", D2H, sd, T, fmt, -1)
     with pytest.raises(ValueError, match="3 block ids"):
         ops.multi_layer_block_kv_transfer(layers, chunks, [0, 1, 2], "cpu", D2H, sd, T, fmt, 0)
-    with pytest.raises(ValueError, match="direction=5"):
+    with pytest.raises(ValueError, match="invalid transfer direction 5"):
         ops.multi_layer_block_kv_transfer(layers, chunks, [0], "cpu", 5, sd, T, fmt, 0)
 
 

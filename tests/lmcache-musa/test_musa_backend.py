@@ -105,13 +105,15 @@ def test_explicit_selection_without_runtime(monkeypatch):
 def test_exact_override_set():
     from lmcache.devices.musa.device_ops import MusaDeviceOps
 
-    overridden = {name for name in DEVICE_OP_NAMES if name in MusaDeviceOps.__dict__}
+    # The block transfer is overridden through its plan hook, ``transfer_blocks``.
+    names = (*DEVICE_OP_NAMES, "transfer_blocks")
+    overridden = {name for name in names if name in MusaDeviceOps.__dict__}
     assert overridden == {
         "tensor_from_ptr",
         "lmcache_memcpy_async",
         "record_completion_on_stream",
         "record_event_on_stream",
-        "multi_layer_block_kv_transfer",
+        "transfer_blocks",
     }
     assert MusaDeviceOps.kv_transfer_operands == "tensor"
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -226,6 +228,17 @@ def make_sm(adapters=(), slots: int = 64, **kw) -> StorageManager:
     return StorageManager(cfg, eviction_interval_s=60)
 
 
+@contextlib.contextmanager
+def scripted_sm(**kw) -> Iterator[tuple[StorageManager, ScriptedAdapter]]:
+    """A storage manager over one fresh ``ScriptedAdapter``, closed on exit."""
+    a = ScriptedAdapter()
+    sm = make_sm([scripted(a)], **kw)
+    try:
+        yield sm, a
+    finally:
+        sm.close()
+
+
 def write(sm: StorageManager, keys, value: float | None = None) -> None:
     objs = sm.reserve_write(keys, LAYOUT)  # keys already resident are not writable
     for i, k in enumerate(keys):
@@ -303,9 +316,7 @@ def test_l1_write_is_stored_to_every_adapter_and_pins_released():
 
 
 def test_temporary_and_prefetch_admissions_are_never_stored():
-    a = ScriptedAdapter()
-    sm = make_sm([scripted(a)])
-    try:
+    with scripted_sm() as (sm, a):
         l1 = sm.get_l1_manager()
         l1.reserve_write([key(1)], [True], LAYOUT, "x")
         l1.finish_write([key(1)], "x")
@@ -315,8 +326,6 @@ def test_temporary_and_prefetch_admissions_are_never_stored():
         eventually(lambda: key(3) in a.data)
         time.sleep(0.1)
         assert set(a.data) == {key(3)}
-    finally:
-        sm.close()
 
 
 def test_submit_exception_releases_pins():
@@ -452,9 +461,7 @@ def test_legacy_true_store_result_is_normalised(caplog):
 
 
 def test_full_prefix_hit_from_l2_locks_in_l1():
-    a = ScriptedAdapter()
-    sm = make_sm([scripted(a)])
-    try:
+    with scripted_sm() as (sm, a):
         keys = [key(i) for i in range(5)]
         store_in_l2_only(sm, a, keys)
         r = prefetch(sm, spec(keys))
@@ -468,27 +475,19 @@ def test_full_prefix_hit_from_l2_locks_in_l1():
         assert l1.keys() == []  # default policy: loaded keys were temporary
         assert a.locked() == 0
         assert l1.memcheck()
-    finally:
-        sm.close()
 
 
 def test_retain_policy_keeps_loaded_keys():
-    a = ScriptedAdapter()
-    sm = make_sm([scripted(a)], l2_prefetch_policy="retain")
-    try:
+    with scripted_sm(l2_prefetch_policy="retain") as (sm, a):
         keys = [key(i) for i in range(3)]
         store_in_l2_only(sm, a, keys)
         r = prefetch(sm, spec(keys))
         sm.finish_read_prefetched(keys, 1, r.l1_owners[0])
         assert set(sm.get_l1_manager().keys()) == set(keys)
-    finally:
-        sm.close()
 
 
 def test_l1_hits_are_not_looked_up_in_l2():
-    a = ScriptedAdapter()
-    sm = make_sm([scripted(a)])
-    try:
+    with scripted_sm() as (sm, a):
         keys = [key(i) for i in range(4)]
         write(sm, keys)
         eventually(lambda: len(a.data) == 4)
@@ -497,14 +496,10 @@ def test_l1_hits_are_not_looked_up_in_l2():
         assert repr(r.l1_hit_cells[0]) == "1100" and repr(r.l2_hit_cells[0]) == "0011"
         assert a.lookup_calls[-1] == keys[2:]
         sm.finish_read_prefetched(keys, 1, r.l1_owners[0])
-    finally:
-        sm.close()
 
 
 def test_gap_gives_prefix_and_loads_nothing_past_it():
-    a = ScriptedAdapter()
-    sm = make_sm([scripted(a)])
-    try:
+    with scripted_sm() as (sm, a):
         keys = [key(i) for i in range(5)]
         store_in_l2_only(sm, a, keys)
         del a.data[key(2)]
@@ -515,8 +510,6 @@ def test_gap_gives_prefix_and_loads_nothing_past_it():
         l1 = sm.get_l1_manager()
         assert not l1.contains(key(3)) and not l1.contains(key(4))
         sm.finish_read_prefetched(keys[:2], 1, r.l1_owners[0][:2])
-    finally:
-        sm.close()
 
 
 def test_fault_inject_gap_and_missing_first_key_give_zero_hits():
@@ -587,9 +580,7 @@ def test_lowest_index_adapter_serves_shared_cells():
 
 
 def test_no_lock_mode_retains_and_releases():
-    a = ScriptedAdapter()
-    sm = make_sm([scripted(a)])
-    try:
+    with scripted_sm() as (sm, a):
         keys = [key(i) for i in range(3)]
         write(sm, keys)
         eventually(lambda: len(a.data) == 3)
@@ -599,14 +590,10 @@ def test_no_lock_mode_retains_and_releases():
         l1 = sm.get_l1_manager()
         assert not any(l1.is_read_locked(k) for k in keys)
         assert set(l1.keys()) == set(keys)  # loaded keys retained
-    finally:
-        sm.close()
 
 
 def test_full_policy_and_sliding_window_rejection():
-    a = ScriptedAdapter()
-    sm = make_sm([scripted(a)])
-    try:
+    with scripted_sm() as (sm, a):
         keys = [key(i) for i in range(4)]
         store_in_l2_only(sm, a, keys)
         del a.data[key(1)]
@@ -618,14 +605,10 @@ def test_full_policy_and_sliding_window_rejection():
         )
         with pytest.raises(ValueError, match="sliding windows"):
             sm.submit_prefetch_task(sw)
-    finally:
-        sm.close()
 
 
 def test_sliding_window_group_needs_only_last_chunks():
-    a = ScriptedAdapter()
-    sm = make_sm([scripted(a)])
-    try:
+    with scripted_sm() as (sm, a):
         full = [key(i) for i in range(4)]
         swk = [
             ObjectKey(ObjectKey.IntHash2Bytes(i), "model", KV, object_group_id=1) for i in range(4)
@@ -643,28 +626,20 @@ def test_sliding_window_group_needs_only_last_chunks():
         )
         assert r.hit_prefix_length() >= 0
         assert repr(r.hit_cells[0]) == "1111" and repr(r.hit_cells[1]) == "0011"
-    finally:
-        sm.close()
 
 
 def test_skip_l2_and_empty_requests_are_served_synchronously():
-    a = ScriptedAdapter()
-    sm = make_sm([scripted(a)])
-    try:
+    with scripted_sm() as (sm, a):
         h = sm.submit_prefetch_task(spec([]))
         assert h.prefetch_request_id == -1 and sm.wait_prefetch_status(h, 0)
         write(sm, [key(1)])
         h = sm.submit_prefetch_task(spec([key(1), key(2)]), skip_l2=True)
         r = sm.query_prefetch_status(h)  # already complete
         assert repr(r.hit_cells[0]) == "10" and a.lookup_calls == []
-    finally:
-        sm.close()
 
 
 def test_hung_lookup_hits_deadline_and_late_result_is_unlocked():
-    a = ScriptedAdapter()
-    sm = make_sm([scripted(a)], l2_lookup_timeout_seconds=0.3)
-    try:
+    with scripted_sm(l2_lookup_timeout_seconds=0.3) as (sm, a):
         keys = [key(i) for i in range(3)]
         store_in_l2_only(sm, a, keys)
         a.lookup_gate.clear()
@@ -673,14 +648,10 @@ def test_hung_lookup_hits_deadline_and_late_result_is_unlocked():
         a.lookup_gate.set()  # the late result arrives
         eventually(lambda: a.lookup_calls and a.locked() == 0 and not a.lookup_done)
         eventually(lambda: sm.prefetch_controller.inflight_for(0) == 0)
-    finally:
-        sm.close()
 
 
 def test_hung_load_keeps_buffers_pinned_until_late_result():
-    a = ScriptedAdapter()
-    sm = make_sm([scripted(a)], l2_load_timeout_seconds=0.3)
-    try:
+    with scripted_sm(l2_load_timeout_seconds=0.3) as (sm, a):
         keys = [key(i) for i in range(3)]
         store_in_l2_only(sm, a, keys)
         a.load_gate.clear()
@@ -692,14 +663,10 @@ def test_hung_load_keeps_buffers_pinned_until_late_result():
         eventually(lambda: l1.report_status()["pinned_bytes"] == 0)
         eventually(lambda: l1.get_memory_usage()[0] == 0 and a.locked() == 0)
         assert l1.memcheck()
-    finally:
-        sm.close()
 
 
 def test_three_expiries_suspend_the_adapter():
-    a = ScriptedAdapter()
-    sm = make_sm([scripted(a)], l2_lookup_timeout_seconds=0.1)
-    try:
+    with scripted_sm(l2_lookup_timeout_seconds=0.1) as (sm, a):
         a.lookup_gate.clear()
         for i in range(3):
             prefetch(sm, spec([key(100 + i)]))
@@ -710,8 +677,6 @@ def test_three_expiries_suspend_the_adapter():
         r = prefetch(sm, spec([key(200)]))  # treated as a miss without asking the adapter
         assert r.hit_cells[0].popcount() == 0 and len(a.lookup_calls) == calls
         a.lookup_gate.set()
-    finally:
-        sm.close()
 
 
 def test_one_argument_lookup_plugin_works_under_prefetch():
@@ -785,9 +750,7 @@ def _fill_l2(a: ScriptedAdapter, keys) -> None:
 def test_l1_without_room_for_all_staging_replans_to_a_shorter_prefix():
     """§4.4 step 4: L1 holds 2 of 5 cells; the plan shrinks to a prefix of 2, the L2 locks of
     the cells that could not be reserved are dropped and no staging is left behind."""
-    a = ScriptedAdapter()
-    sm = make_sm([scripted(a)], slots=2)
-    try:
+    with scripted_sm(slots=2) as (sm, a):
         keys = [key(i) for i in range(5)]
         _fill_l2(a, keys)
         r = prefetch(sm, spec(keys))
@@ -801,16 +764,12 @@ def test_l1_without_room_for_all_staging_replans_to_a_shorter_prefix():
             assert [o.tensor[0].item() for o in objs] == [0.0, 1.0]
         sm.finish_read_prefetched(keys[:2], 1, r.l1_owners[0][:2])
         assert a.locked() == 0 and l1.keys() == [] and l1.memcheck()
-    finally:
-        sm.close()
 
 
 def test_replan_deletes_staging_the_new_plan_drops():
     """Two groups: group 0 reserves all 5 cells, group 1 only 2 (7 slots), so the prefix is 2
     and the staged group-0 cells 2-4 are deleted again (finish_write_and_delete)."""
-    a = ScriptedAdapter()
-    sm = make_sm([scripted(a)], slots=7)
-    try:
+    with scripted_sm(slots=7) as (sm, a):
         g0 = [key(i) for i in range(5)]
         g1 = [key(100 + i) for i in range(5)]
         _fill_l2(a, g0)
@@ -829,8 +788,6 @@ def test_replan_deletes_staging_the_new_plan_drops():
         sm.finish_read_prefetched(g0[:2], 1, r.l1_owners[0][:2])
         sm.finish_read_prefetched(g1[:2], 1, r.l1_owners[1][:2])
         assert a.locked() == 0 and l1.keys() == [] and l1.memcheck()
-    finally:
-        sm.close()
 
 
 def make_two_l1_sm(adapters=(), slots0: int = 2, slots1: int = 8) -> StorageManager:
@@ -941,9 +898,7 @@ def test_failed_construction_unwinds():
 
 
 def test_status_and_usage_by_salt():
-    a = ScriptedAdapter()
-    sm = make_sm([scripted(a)])
-    try:
+    with scripted_sm() as (sm, a):
         write(sm, [key(1, "t1"), key(2, "t2")])
         eventually(lambda: len(a.data) == 2)
         assert sm.get_usage_bytes_by_cache_salt() == {"t1": 4096, "t2": 4096}
@@ -961,8 +916,6 @@ def test_status_and_usage_by_salt():
         assert st["l2_adapters"][0]["type"] == "scripted_test"
         assert st["prefetch_controller"]["max_in_flight"] == 8
         assert sm.memcheck()
-    finally:
-        sm.close()
 
 
 def test_unknown_serde_type_is_refused_at_start_naming_the_registered_ones():
@@ -1015,9 +968,7 @@ def test_broken_plugin_added_at_runtime_leaves_others_working(tmp_path, monkeypa
     mod = f"t_raising_plugin_{os.getpid()}"
     (tmp_path / f"{mod}.py").write_text(_RAISING_PLUGIN)
     monkeypatch.syspath_prepend(str(tmp_path))
-    a = ScriptedAdapter()
-    sm = make_sm([scripted(a)])
-    try:
+    with scripted_sm() as (sm, a):
         fds_before = len(os.listdir("/proc/self/fd"))
         for bad, exc in [
             (PluginL2AdapterConfig("no_such_plugin_mod", "X"), ImportError),
@@ -1033,8 +984,6 @@ def test_broken_plugin_added_at_runtime_leaves_others_working(tmp_path, monkeypa
         eventually(lambda: key(1) in a.data)
         sm.delete_l1_keys([key(1)])
         assert prefetch(sm, spec([key(1)])).hit_cells[0].test(0) is True
-    finally:
-        sm.close()
 
 
 def test_storage_manager_advertises_shm_pool_under_lazy_l1():
@@ -1060,9 +1009,7 @@ def test_storage_manager_advertises_shm_pool_under_lazy_l1():
 
 
 def test_abort_prefetch_releases_locks_now_or_when_finished():
-    a = ScriptedAdapter()
-    sm = make_sm([scripted(a)])
-    try:
+    with scripted_sm() as (sm, a):
         keys = [key(i) for i in range(3)]
         write(sm, keys)
         eventually(lambda: len(a.data) == 3)
@@ -1084,8 +1031,6 @@ def test_abort_prefetch_releases_locks_now_or_when_finished():
         eventually(lambda: l1.report_status()["read_locked_count"] == 0)
         eventually(lambda: l1.get_memory_usage()[0] == 0)  # temporary copies freed
         assert a.locked() == 0 and l1.memcheck()
-    finally:
-        sm.close()
 
 
 @pytest.mark.parametrize("lock_mode", [LockMode.LOCK, LockMode.NO_LOCK])

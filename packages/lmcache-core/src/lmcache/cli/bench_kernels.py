@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from lmcache.cli.errors import CLIError
+from lmcache.cli.subcommand import add_command_parser
 
 TOKENS = 512
 LAYERS = 32
@@ -28,11 +29,11 @@ ENGINE_BLOCKS = 128  # the engine cache holds more blocks than one request uses
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
+    parser = add_command_parser(
+        subparsers,
         "kernels",
-        help="time multi_layer_block_kv_transfer (CPU) against a plain copy; JSON output",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        "time multi_layer_block_kv_transfer (CPU) against a plain copy; JSON output",
+        __doc__,
     )
     parser.add_argument("--output", type=Path, default=None, help="also write the JSON here")
     parser.add_argument(

@@ -29,16 +29,17 @@ import time
 from typing import Any
 
 from lmcache.cli.errors import CLIError
+from lmcache.cli.subcommand import add_command_parser
 
 OPS = ("store", "lookup", "load")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser(
+    p = add_command_parser(
+        subparsers,
         "l2",
-        help="benchmark L2 adapters (store/lookup/load throughput and latency, JSON)",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        "benchmark L2 adapters (store/lookup/load throughput and latency, JSON)",
+        __doc__,
     )
     p.add_argument(
         "--l2-adapter",

@@ -14,6 +14,7 @@ import argparse
 from typing import Any
 
 from lmcache.cli.report import Report, add_output_args
+from lmcache.cli.subcommand import add_command_parser
 
 GIB = 1024**3
 
@@ -34,11 +35,11 @@ _KERNEL_GROUP_FIELDS = (
 
 
 def register(subparsers: argparse._SubParsersAction, with_flags: bool = True) -> None:
-    parser = subparsers.add_parser(
+    parser = add_command_parser(
+        subparsers,
         "describe",
-        help="show the detailed status of a running lmcache server (or engine)",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        "show the detailed status of a running lmcache server (or engine)",
+        __doc__,
     )
     if not with_flags:
         return

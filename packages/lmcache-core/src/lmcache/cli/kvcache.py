@@ -13,6 +13,7 @@ import urllib.parse
 
 from lmcache.cli.errors import CLIError
 from lmcache.cli.report import Report, add_output_args
+from lmcache.cli.subcommand import add_command_parser
 
 _OBJECT_COLUMNS = (
     ("chunk_hash_hex", "Chunk hash"),
@@ -25,11 +26,11 @@ _OBJECT_COLUMNS = (
 
 
 def register(subparsers: argparse._SubParsersAction, with_flags: bool = True) -> None:
-    parser = subparsers.add_parser(
+    parser = add_command_parser(
+        subparsers,
         "kvcache",
-        help="manage the KV cache of a running lmcache server (clear, list objects)",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        "manage the KV cache of a running lmcache server (clear, list objects)",
+        __doc__,
     )
     if not with_flags:
         return

@@ -16,6 +16,7 @@ import time
 
 from lmcache.cli.errors import CLIError
 from lmcache.cli.report import Report, add_output_args
+from lmcache.cli.subcommand import add_command_parser
 
 _HTTP_TARGETS = {
     "kvcache": ("/healthcheck", "Ping KV Cache"),
@@ -24,11 +25,11 @@ _HTTP_TARGETS = {
 
 
 def register(subparsers: argparse._SubParsersAction, with_flags: bool = True) -> None:
-    parser = subparsers.add_parser(
+    parser = add_command_parser(
+        subparsers,
         "ping",
-        help="check that an lmcache server (or an engine) answers, and the round trip",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        "check that an lmcache server (or an engine) answers, and the round trip",
+        __doc__,
     )
     if not with_flags:
         return

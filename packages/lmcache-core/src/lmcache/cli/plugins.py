@@ -15,14 +15,15 @@ import os
 from typing import Any
 
 from lmcache.cli.errors import CLIError
+from lmcache.cli.subcommand import add_command_parser
 
 
 def register(subparsers: argparse._SubParsersAction, with_flags: bool = True) -> None:
-    parser = subparsers.add_parser(
+    parser = add_command_parser(
+        subparsers,
         "plugins",
-        help="list device backends and L2 adapter types, and plugins that failed to load",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        "list device backends and L2 adapter types, and plugins that failed to load",
+        __doc__,
     )
     if not with_flags:
         return

@@ -28,6 +28,7 @@ from typing import Any
 
 from lmcache.cli.errors import CLIError
 from lmcache.cli.report import Report, add_output_args
+from lmcache.cli.subcommand import add_command_parser
 
 _PLACEHOLDER = re.compile(r"\{(\w+)\}")
 _COORDINATOR_APIS = (
@@ -44,11 +45,11 @@ _COORDINATOR_APIS = (
 
 
 def register(subparsers: argparse._SubParsersAction, with_flags: bool = True) -> None:
-    parser = subparsers.add_parser(
+    parser = add_command_parser(
+        subparsers,
         "query",
-        help="run one request (an inference, a cache lookup) and report metrics",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        "run one request (an inference, a cache lookup) and report metrics",
+        __doc__,
     )
     if not with_flags:
         return

@@ -16,7 +16,6 @@ from __future__ import annotations
 import collections
 import itertools
 import queue
-import select
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -25,6 +24,7 @@ from typing import Any
 
 from lmcache.lmcache_native import Bitmap, fold_grouped, unfold_grouped
 from lmcache.utils import RateLimitedLog, init_logger
+from lmcache.v1.distributed.adapter_poll import POLL_MS, AdapterFdPoller, FdTarget, run_poll_loop
 from lmcache.v1.distributed.adapter_registry import AdapterRegistry, AdapterSlot, submit_lookup
 from lmcache.v1.distributed.api import (
     LockMode,
@@ -37,7 +37,7 @@ from lmcache.v1.distributed.internal_api import L1Error
 from lmcache.v1.distributed.l2_adapters.health import failure_cause
 from lmcache.v1.distributed.storage_policies import PrefetchPolicy
 from lmcache.v1.memory_management import MemoryObj
-from lmcache.v1.platform.event_notifier import consume_fd, create_event_notifier
+from lmcache.v1.platform.event_notifier import create_event_notifier
 
 logger = init_logger(__name__)
 # Failed loads of one adapter: the first at once, then one line (with a count) per 30 s.
@@ -45,7 +45,6 @@ _failure_log = RateLimitedLog(logger, interval=30.0)
 
 __all__ = ["PrefetchController"]
 
-POLL_MS = 500
 SUSPEND_AFTER_EXPIRIES = 3
 SUSPEND_SECONDS = 30.0
 
@@ -316,40 +315,14 @@ class PrefetchController:
             )
 
     def _poll_loop(self) -> None:
-        poller = select.poll()
-        poller.register(self._control.fileno(), select.POLLIN)
-        registered: dict[int, tuple[int, str]] = {}
-        version = -1
-        while not self._stop.is_set():
-            try:
-                if version != self.registry.version:
-                    version = self.registry.version
-                    for fd in list(registered):
-                        poller.unregister(fd)
-                    registered.clear()
-                    for slot in self.registry.slots():
-                        registered[slot.fds[1]] = (slot.index, "lookup")
-                        registered[slot.fds[2]] = (slot.index, "load")
-                        poller.register(slot.fds[1], select.POLLIN)
-                        poller.register(slot.fds[2], select.POLLIN)
-                events = poller.poll(POLL_MS)
-                targets: set[tuple[int, str]] = set()
-                for fd, ev in events:
-                    if ev & select.POLLNVAL:
-                        version = -1  # an adapter closed its fd: rebuild the poll set
-                        continue
-                    if fd == self._control.fileno():
-                        self._control.consume()
-                    elif fd in registered:
-                        consume_fd(fd)
-                        targets.add(registered[fd])
-                if not events or len(targets) == 0:
-                    with self._mu:
-                        targets = {(i, w.kind) for (i, _t), w in self._waiters.items()}
-                self._deliver(targets)
-            except Exception:
-                logger.exception("prefetch poller error (continuing)")
-                time.sleep(0.05)
+        poller = AdapterFdPoller(self.registry, (self._control,), {1: "lookup", 2: "load"})
+        run_poll_loop(self._stop, poller, self._poll_step, "prefetch poller")
+
+    def _poll_step(self, targets: set[FdTarget] | None) -> None:
+        if not targets:  # timed out or only woken: check every task waited on
+            with self._mu:
+                targets = {(i, w.kind) for (i, _t), w in self._waiters.items()}
+        self._deliver(targets)
 
     def _deliver(self, targets: set[tuple[int, str]]) -> None:
         late_calls: list[tuple[Callable[[Any], None], Any, int]] = []

@@ -10,7 +10,6 @@ success, ``select_l1_deletions`` keys are deleted from L1 once no other adapter 
 
 from __future__ import annotations
 
-import select
 import threading
 import time
 from collections import defaultdict, deque
@@ -18,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lmcache.utils import RateLimitedLog, init_logger
+from lmcache.v1.distributed.adapter_poll import POLL_MS, AdapterFdPoller, FdTarget, run_poll_loop
 from lmcache.v1.distributed.adapter_registry import AdapterRegistry, AdapterSlot
 from lmcache.v1.distributed.api import ObjectKey
 from lmcache.v1.distributed.internal_api import L1Error, L1ManagerListener, L2StoreResult
@@ -34,7 +34,6 @@ __all__ = ["StoreController"]
 
 MAX_IN_FLIGHT_PER_ADAPTER = 32
 MAX_KEYS_PER_TASK = 256
-POLL_MS = 500
 
 
 @dataclass
@@ -120,48 +119,20 @@ class StoreController(L1ManagerListener):
     # --- loop -----------------------------------------------------------------------------------------
 
     def _loop(self) -> None:
-        poller = select.poll()
-        registered: dict[int, int] = {}  # fd -> adapter index (-1 for ours)
-        version = -1
-        for fd in (self._wake.fileno(), self._control.fileno()):
-            poller.register(fd, select.POLLIN)
-        while not self._stop.is_set():
-            try:
-                if version != self.registry.version:
-                    version = self.registry.version
-                    for fd in list(registered):
-                        poller.unregister(fd)
-                    registered.clear()
-                    for slot in self.registry.slots():
-                        registered[slot.fds[0]] = slot.index
-                        poller.register(slot.fds[0], select.POLLIN)
-                events = poller.poll(POLL_MS)
-                signalled: set[int] = set()
-                for fd, ev in events:
-                    if ev & select.POLLNVAL:
-                        version = -1  # an adapter closed its fd: rebuild the poll set
-                        continue
-                    if fd == self._wake.fileno():
-                        self._wake.consume()
-                    elif fd == self._control.fileno():
-                        self._control.consume()
-                    elif fd in registered:
-                        idx = registered[fd]
-                        slot = self.registry.get(idx)
-                        if slot is not None:
-                            _consume(fd)
-                        signalled.add(idx)
-                if self._stop.is_set():
-                    break
-                if not events:
-                    with self._mu:
-                        signalled = {i for (i, _t) in self._inflight}
-                self._collect(signalled)
-                self._route_incoming()
-                self._dispatch()
-            except Exception:
-                logger.exception("store controller loop error (continuing)")
-                time.sleep(0.05)
+        poller = AdapterFdPoller(self.registry, (self._wake, self._control), {0: "store"})
+        run_poll_loop(self._stop, poller, self._step, "store controller loop")
+
+    def _step(self, targets: set[FdTarget] | None) -> None:
+        if self._stop.is_set():
+            return
+        if targets is None:  # timed out: check every adapter with work in flight
+            with self._mu:
+                signalled = {i for (i, _t) in self._inflight}
+        else:
+            signalled = {i for i, _kind in targets}
+        self._collect(signalled)
+        self._route_incoming()
+        self._dispatch()
 
     def _collect(self, adapter_indexes: set[int]) -> None:
         for idx in adapter_indexes:
@@ -394,9 +365,3 @@ class StoreController(L1ManagerListener):
             self._release(t.keys, t.objs)
         self._wake.close()
         self._control.close()
-
-
-def _consume(fd: int) -> None:
-    from lmcache.v1.platform.event_notifier import consume_fd
-
-    consume_fd(fd)

@@ -1,7 +1,7 @@
 """``fs``: a pure-Python file-per-key L2 adapter (storage.md §8.1).
 
 Work runs on a bounded thread pool (``num_workers`` threads per adapter, never a thread per
-key); completions are signalled through three event notifiers.
+key); completions are published through core's completion channels.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from lmcache.v1.distributed.internal_api import L2StoreResult
 from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface, L2TaskId
 from lmcache.v1.distributed.l2_adapters.health import HealthTracker
 from lmcache.v1.distributed.l2_adapters.key_codec import object_key_to_filename
-from lmcache.v1.platform.event_notifier import create_event_notifier
+from lmcache.v1.distributed.l2_adapters.utils import CompletionChannels
 
 logger = init_logger(__name__)
 # Per-file errors repeat for every key while a disk is full: one line per kind every 30 s.
@@ -59,7 +59,7 @@ class _Batch:
             return self.remaining == 0
 
 
-class FSL2Adapter(L2AdapterInterface):
+class FSL2Adapter(CompletionChannels, L2AdapterInterface):
     def __init__(
         self, config: FSL2AdapterConfig | dict[str, Any], l1_memory_desc: Any = None, **_: Any
     ) -> None:
@@ -84,15 +84,10 @@ class FSL2Adapter(L2AdapterInterface):
         self._delete_pool = ThreadPoolExecutor(
             min(MAX_DELETES_IN_FLIGHT, max(4, config.num_workers)), thread_name_prefix="lmc-fs-del"
         )
-        self._store_notifier = create_event_notifier()
-        self._lookup_notifier = create_event_notifier()
-        self._load_notifier = create_event_notifier()
+        self._open_channels()
 
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
-        self._store_results: dict[L2TaskId, L2StoreResult] = {}
-        self._lookup_results: dict[L2TaskId, Bitmap] = {}
-        self._load_results: dict[L2TaskId, Bitmap] = {}
         self._sizes: dict[ObjectKey, int] = {}  # keys counted in usage, with their sizes
         # Keys of stores not finished yet: the start-up scan leaves files it finds for them to
         # the store, which counts and reports them itself.
@@ -109,17 +104,6 @@ class FSL2Adapter(L2AdapterInterface):
             daemon=True,
         )
         self._scan_thread.start()
-
-    # --- fds ------------------------------------------------------------------------------
-
-    def get_store_event_fd(self) -> int:
-        return self._store_notifier.fileno()
-
-    def get_lookup_and_lock_event_fd(self) -> int:
-        return self._lookup_notifier.fileno()
-
-    def get_load_event_fd(self) -> int:
-        return self._load_notifier.fileno()
 
     # --- helpers --------------------------------------------------------------------------
 
@@ -224,14 +208,7 @@ class FSL2Adapter(L2AdapterInterface):
             else:
                 self._health.failure("store", batch.error)
         result = L2StoreResult(all(batch.ok), sum(n for _, n in new), error=batch.error)
-        with self._lock:
-            self._store_results[tid] = result
-        self._store_notifier.notify()
-
-    def pop_completed_store_tasks(self) -> dict[L2TaskId, L2StoreResult]:
-        with self._lock:
-            out, self._store_results = self._store_results, {}
-        return out
+        self._store_channel.complete(tid, result)
 
     # --- lookup and lock -----------------------------------------------------------------
 
@@ -259,13 +236,7 @@ class FSL2Adapter(L2AdapterInterface):
                 bm.set(i)
             else:
                 self._unlock_one(key)
-        with self._lock:
-            self._lookup_results[tid] = bm
-        self._lookup_notifier.notify()
-
-    def query_lookup_and_lock_result(self, task_id: L2TaskId) -> Bitmap | None:
-        with self._lock:
-            return self._lookup_results.pop(task_id, None)
+        self._lookup_channel.complete(tid, bm)
 
     def _unlock_one(self, key: ObjectKey) -> None:
         with self._lock:
@@ -290,9 +261,7 @@ class FSL2Adapter(L2AdapterInterface):
     def submit_load_task(self, keys: list[ObjectKey], objects: list[Any]) -> L2TaskId:
         tid = next(self._ids)
         if not keys:
-            with self._lock:
-                self._load_results[tid] = Bitmap(0)
-            self._load_notifier.notify()
+            self._load_channel.complete(tid, Bitmap(0))
             return tid
         batch = _Batch(len(keys))
         for i, (key, obj) in enumerate(zip(keys, objects, strict=False)):
@@ -328,13 +297,7 @@ class FSL2Adapter(L2AdapterInterface):
                 loaded.append(keys[j])
         if loaded:
             self._notify_keys_accessed(loaded)
-        with self._lock:
-            self._load_results[tid] = bm
-        self._load_notifier.notify()
-
-    def query_load_result(self, task_id: L2TaskId) -> Bitmap | None:
-        with self._lock:
-            return self._load_results.pop(task_id, None)
+        self._load_channel.complete(tid, bm)
 
     # --- delete ---------------------------------------------------------------------------
 
@@ -409,5 +372,4 @@ class FSL2Adapter(L2AdapterInterface):
         # wait=True: no buffer is touched once close() returns.
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._delete_pool.shutdown(wait=True, cancel_futures=True)
-        for n in (self._store_notifier, self._lookup_notifier, self._load_notifier):
-            n.close()
+        self._close_channels()

@@ -12,8 +12,9 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from lmcache.v1.platform import torch_ops
+from lmcache.v1.platform.base.block_transfer import BlockTransferPlan
 from lmcache.v1.platform.base.device_ops import DeviceOps
-from lmcache.v1.platform.ops_types import EngineKVFormat, TransferDirection, to_engine_kv_format
+from lmcache.v1.platform.ops_types import EngineKVFormat
 
 F = EngineKVFormat
 SUPPORTED_FORMATS = (F.NL_X_TWO_NB_BS_NH_HS, F.NL_X_TWO_NB_NH_BS_HS, F.NL_X_NB_BS_HS)
@@ -95,71 +96,34 @@ class MluDeviceOps(DeviceOps):
         )
 
     # ---- block transfer --------------------------------------------------------------------
-    def multi_layer_block_kv_transfer(
-        self,
-        paged_buffer_ptrs_tensor,
-        lmcache_objects_ptrs,
-        block_ids,
-        device,
-        direction,
-        shape_desc,
-        lmcache_chunk_size,
-        engine_kv_format,
-        skip_prefix_n_blocks,
-    ):
+    def transfer_blocks(self, plan: BlockTransferPlan) -> None:
         import torch
 
-        fmt = to_engine_kv_format(engine_kv_format)
+        fmt = plan.engine_kv_format
         if fmt not in SUPPORTED_FORMATS:
             raise ValueError(
                 f"mlu multi_layer_block_kv_transfer does not support engine_kv_format "
                 f"{fmt.name} (#{int(fmt)}); supported: {_supported_text()}"
             )
-        layers = self._layers(paged_buffer_ptrs_tensor, fmt)
-        objects = list(lmcache_objects_ptrs)
+        layers = self._layers(plan.paged, fmt)
+        objects = list(plan.objects)
         for i, obj in enumerate(objects):
             if not isinstance(obj, torch.Tensor):
                 raise ValueError(
                     f"mlu multi_layer_block_kv_transfer needs host chunk tensors; lmcache "
                     f"object {i} is {type(obj).__name__} (raw pointers are not supported)"
                 )
-        try:
-            d = TransferDirection(int(direction))
-        except ValueError:
-            raise ValueError(f"direction={direction!r} must be H2D (0) or D2H (1)") from None
-        chunk = int(lmcache_chunk_size)
-        skip = int(skip_prefix_n_blocks)
         bs = int(layers[0].shape[_BS_AXIS[fmt]])
-        if chunk <= 0 or chunk % bs:
-            raise ValueError(
-                f"lmcache_chunk_size={lmcache_chunk_size} must be > 0 and a multiple of the "
-                f"block size {bs}"
-            )
-        if skip < 0:
-            raise ValueError(f"skip_prefix_n_blocks={skip_prefix_n_blocks} must be >= 0")
-        bpo = chunk // bs
         dev = layers[0].device
-        if isinstance(block_ids, torch.Tensor):
-            ids = block_ids.reshape(-1).to(device=dev, dtype=torch.long)
+        if isinstance(plan.block_ids, torch.Tensor):
+            ids = plan.block_ids.reshape(-1).to(device=dev, dtype=torch.long)
         else:
-            ids = torch.as_tensor(list(block_ids), dtype=torch.long, device=dev)
-        n = int(ids.numel())
-        if n > len(objects) * bpo:
-            raise ValueError(
-                f"{n} block ids need {-(-n // bpo)} lmcache objects of {bpo} blocks, "
-                f"got {len(objects)}"
-            )
-        for i, obj in enumerate(objects):
-            start = i * bpo
-            end = min(start + bpo, n)
-            valid = max(start, skip)  # the skip is global over the flat block list
-            if valid >= end:
-                continue
-            t0 = (valid - start) * bs
-            nt = (end - valid) * bs
-            host = self._host_rows(obj, fmt, layers, chunk, i)[..., t0 : t0 + nt, :]
-            idx = ids[valid:end]
-            if d == TransferDirection.D2H:
+            ids = torch.as_tensor(list(plan.block_ids), dtype=torch.long, device=dev)
+        for span in plan.chunk_spans(int(ids.numel()), bs):
+            rows = self._host_rows(objects[span.index], fmt, layers, plan.chunk_size, span.index)
+            host = rows[..., span.first_token : span.first_token + span.num_tokens, :]
+            idx = ids[span.blocks]
+            if plan.d2h:
                 self._store(layers, fmt, idx, host, dev)
             else:
                 self._load(layers, fmt, idx, host)

@@ -1,8 +1,8 @@
 """``MusaDeviceOps``: method overrides over the torch baseline (no native module).
 
 Overrides exactly ``tensor_from_ptr``, ``lmcache_memcpy_async``,
-``record_completion_on_stream``, ``record_event_on_stream`` and
-``multi_layer_block_kv_transfer`` (platform.md §8.4). Fallbacks call
+``record_completion_on_stream``, ``record_event_on_stream`` and ``transfer_blocks`` (the
+body of ``multi_layer_block_kv_transfer``; platform.md §8.4). Fallbacks call
 ``lmcache.v1.platform.torch_ops`` directly.
 """
 
@@ -14,9 +14,10 @@ from typing import Any, ClassVar
 
 from lmcache.utils import init_logger
 from lmcache.v1.platform import torch_ops
+from lmcache.v1.platform.base.block_transfer import BlockTransferPlan
 from lmcache.v1.platform.base.device_ops import DeviceOps
 from lmcache.v1.platform.cuda_family.device_ops import memcpy_async_through_views
-from lmcache.v1.platform.ops_types import EngineKVFormat, to_engine_kv_format
+from lmcache.v1.platform.ops_types import EngineKVFormat
 
 logger = init_logger(__name__)
 
@@ -101,58 +102,28 @@ class MusaDeviceOps(DeviceOps):
         )
 
     # ---- block transfer ------------------------------------------------------------------
-    def multi_layer_block_kv_transfer(
-        self,
-        paged_buffer_ptrs_tensor,
-        lmcache_objects_ptrs,
-        block_ids,
-        device,
-        direction,
-        shape_desc,
-        lmcache_chunk_size,
-        engine_kv_format,
-        skip_prefix_n_blocks,
-    ):
-        fmt = to_engine_kv_format(engine_kv_format)
+    def transfer_blocks(self, plan: BlockTransferPlan) -> None:
+        fmt = plan.engine_kv_format
         if fmt not in SUPPORTED_FORMATS:
             raise ValueError(
                 f"MUSA multi_layer_block_kv_transfer does not support engine_kv_format "
                 f"{fmt.name} ({int(fmt)}); supported: "
                 + ", ".join(f"{f.name} ({int(f)})" for f in SUPPORTED_FORMATS)
             )
-        paged = paged_buffer_ptrs_tensor
-        if torch_ops.is_pointer_tensor(paged):
-            paged = self._rebuild_paged(paged, fmt, shape_desc, lmcache_objects_ptrs, device)
-        if os.environ.get(NATIVE_KV_TRANSFER_ENV_VAR, "").strip() == "1" and self._try_aiter(
-            paged,
-            lmcache_objects_ptrs,
-            block_ids,
-            device,
-            direction,
-            lmcache_chunk_size,
-            fmt,
-            skip_prefix_n_blocks,
-        ):
+        if torch_ops.is_pointer_tensor(plan.paged):
+            plan = plan.replace(paged=self._rebuild_paged(plan))
+        if os.environ.get(NATIVE_KV_TRANSFER_ENV_VAR, "").strip() == "1" and self._try_aiter(plan):
             return None
-        return torch_ops.multi_layer_block_kv_transfer(
-            paged,
-            lmcache_objects_ptrs,
-            block_ids,
-            device,
-            direction,
-            shape_desc,
-            lmcache_chunk_size,
-            fmt,
-            skip_prefix_n_blocks,
-        )
+        return torch_ops.transfer_blocks(plan)
 
-    def _rebuild_paged(self, ptrs, fmt, sd, objects, device) -> list:
+    def _rebuild_paged(self, plan: BlockTransferPlan) -> list:
         """Device addresses -> MUSA tensors of the format's per-pointer shape."""
+        sd, fmt = plan.shape_desc, plan.engine_kv_format
         if int(getattr(sd, "block_stride_elems", 0) or 0):
             raise NotImplementedError(
                 "MUSA pointer operands need tight blocks (shape_desc.block_stride_elems == 0)"
             )
-        dtype = torch_ops.infer_pointer_dtype(sd, objects)
+        dtype = torch_ops.infer_pointer_dtype(sd, plan.objects)
         nb, bs, nh, hs = int(sd.nb), int(sd.bs), int(sd.nh), int(sd.hs)
         if fmt == EngineKVFormat.NL_X_TWO_NB_BS_NH_HS:
             shape: tuple[int, ...] = (2, nb, bs, nh, hs)
@@ -160,9 +131,10 @@ class MusaDeviceOps(DeviceOps):
             shape = (nb, bs, hs)
         else:  # kv_list #9: 2*NL pointers, K layers then V layers
             shape = (nb, bs, nh, hs)
-        return [self.tensor_from_ptr(int(p), shape, dtype, device) for p in ptrs.tolist()]
+        ptrs = plan.paged.tolist()
+        return [self.tensor_from_ptr(int(p), shape, dtype, plan.device) for p in ptrs]
 
-    def _try_aiter(self, paged, objects, block_ids, device, direction, chunk, fmt, skip) -> bool:
+    def _try_aiter(self, plan: BlockTransferPlan) -> bool:
         """The optional musa_aiter kernel; False (after one WARNING) means use torch."""
         import torch
 
@@ -181,16 +153,25 @@ class MusaDeviceOps(DeviceOps):
         if fn is None:
             self._warn_aiter(f"{AITER_MODULE} has no lmcache_multi_layer_block_kv_transfer")
             return False
-        if isinstance(block_ids, torch.Tensor):
-            ids = block_ids.reshape(-1).to(dtype=torch.int64)
+        if isinstance(plan.block_ids, torch.Tensor):
+            ids = plan.block_ids.reshape(-1).to(dtype=torch.int64)
         else:
-            ids = torch.as_tensor(list(block_ids), dtype=torch.int64)
+            ids = torch.as_tensor(list(plan.block_ids), dtype=torch.int64)
+        paged = plan.paged
         first = paged[0] if isinstance(paged, (list, tuple)) else paged
         if isinstance(first, (list, tuple)):
             first = first[0]
         ids = ids.to(first.device)
         try:
-            fn(paged, list(objects), ids, int(direction), int(fmt), int(chunk), int(skip))
+            fn(
+                paged,
+                list(plan.objects),
+                ids,
+                int(plan.direction),
+                int(plan.engine_kv_format),
+                plan.chunk_size,
+                plan.skip_blocks,
+            )
         except Exception as exc:
             self._warn_aiter(f"{AITER_MODULE} transfer failed ({exc!r})")
             return False

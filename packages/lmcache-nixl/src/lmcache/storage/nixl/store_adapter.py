@@ -37,8 +37,7 @@ from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey
 from lmcache.v1.distributed.internal_api import L1MemoryDesc, L2StoreResult
 from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface, L2TaskId
 from lmcache.v1.distributed.l2_adapters.key_codec import object_key_to_string
-from lmcache.v1.distributed.l2_adapters.utils import KeyLockTable, OnceResults, TaskIds
-from lmcache.v1.platform.event_notifier import create_event_notifier
+from lmcache.v1.distributed.l2_adapters.utils import CompletionChannels, KeyLockTable, TaskIds
 
 logger = init_logger(__name__)
 
@@ -95,7 +94,7 @@ class _Task:
     rejected: bool = False  # some key failed before the transfer
 
 
-class NixlStoreL2Adapter(L2AdapterInterface):
+class NixlStoreL2Adapter(CompletionChannels, L2AdapterInterface):
     def __init__(
         self, config: NixlStoreL2AdapterConfig | dict[str, Any], l1_memory_desc: L1MemoryDesc
     ) -> None:
@@ -113,14 +112,10 @@ class NixlStoreL2Adapter(L2AdapterInterface):
         self._storing: set[ObjectKey] = set()
         self._pins = KeyLockTable()
         self._ids = TaskIds()
-        self._store_done = OnceResults()
-        self._lookup_done = OnceResults()
-        self._load_done = OnceResults()
-        self._store_n, self._lookup_n, self._load_n = (create_event_notifier() for _ in range(3))
+        self._open_channels()
 
         self._queue: queue.SimpleQueue[_Task | None] = queue.SimpleQueue()
         self._closed = False
-        self._fds_closed = False
         self._thread = threading.Thread(target=self._io_loop, name="lmc-nixl-store", daemon=True)
         self._thread.start()
         logger.info(
@@ -134,17 +129,6 @@ class NixlStoreL2Adapter(L2AdapterInterface):
             if config.is_file_backend
             else "one object per slot",
         )
-
-    # --- fds --------------------------------------------------------------------------------
-
-    def get_store_event_fd(self) -> int:
-        return self._store_n.fileno()
-
-    def get_lookup_and_lock_event_fd(self) -> int:
-        return self._lookup_n.fileno()
-
-    def get_load_event_fd(self) -> int:
-        return self._load_n.fileno()
 
     # --- submit ------------------------------------------------------------------------------
 
@@ -166,9 +150,6 @@ class NixlStoreL2Adapter(L2AdapterInterface):
     def submit_store_task(self, keys: list[ObjectKey], objects: list[Any]) -> L2TaskId:
         return self._enqueue("store", keys, objects)
 
-    def pop_completed_store_tasks(self) -> dict[L2TaskId, L2StoreResult]:
-        return self._store_done.take_all()
-
     def submit_lookup_and_lock_task(
         self, keys: list[ObjectKey], group_layout_descs: dict[int, MemoryLayoutDesc] | None = None
     ) -> L2TaskId:
@@ -179,21 +160,14 @@ class NixlStoreL2Adapter(L2AdapterInterface):
             self._pins.lock([keys[i] for i in found])
         if found:
             bm.batched_set(found)
-        self._lookup_done.put(task_id, bm)
-        self._signal(self._lookup_n)
+        self._lookup_channel.complete(task_id, bm)
         return task_id
-
-    def query_lookup_and_lock_result(self, task_id: L2TaskId) -> Bitmap | None:
-        return self._lookup_done.take(task_id)
 
     def submit_unlock(self, keys: list[ObjectKey]) -> None:
         self._pins.unlock(list(keys))
 
     def submit_load_task(self, keys: list[ObjectKey], objects: list[Any]) -> L2TaskId:
         return self._enqueue("load", keys, objects)
-
-    def query_load_result(self, task_id: L2TaskId) -> Bitmap | None:
-        return self._load_done.take(task_id)
 
     # --- I/O thread ----------------------------------------------------------------------------
 
@@ -376,8 +350,9 @@ class NixlStoreL2Adapter(L2AdapterInterface):
         if new_keys:
             self._notify_keys_stored(new_keys, sizes)
         success = ok and not task.rejected
-        self._store_done.put(task.task_id, L2StoreResult(success, sum(sizes) if success else 0))
-        self._signal(self._store_n)
+        self._store_channel.complete(
+            task.task_id, L2StoreResult(success, sum(sizes) if success else 0)
+        )
 
     def _finish_load(self, task: _Task, ok: bool) -> None:
         bm = Bitmap(len(task.keys))
@@ -394,8 +369,7 @@ class NixlStoreL2Adapter(L2AdapterInterface):
             self._health.success()
         if loaded:
             self._notify_keys_accessed(loaded)
-        self._load_done.put(task.task_id, bm)
-        self._signal(self._load_n)
+        self._load_channel.complete(task.task_id, bm)
 
     # --- eviction ----------------------------------------------------------------------------
 
@@ -463,12 +437,4 @@ class NixlStoreL2Adapter(L2AdapterInterface):
         else:
             self._storage.close()
         self._pins.clear()
-        with self._lock:  # no notify() may race the close: the fd number could be reused
-            self._fds_closed = True
-            for n in (self._store_n, self._lookup_n, self._load_n):
-                n.close()
-
-    def _signal(self, notifier: Any) -> None:
-        with self._lock:
-            if not self._fds_closed:
-                notifier.notify()
+        self._close_channels()  # a completion after this wakes nobody (the fd may be reused)

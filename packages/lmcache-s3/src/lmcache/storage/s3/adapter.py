@@ -27,8 +27,7 @@ from lmcache.v1.distributed.api import KeyEntry, KeyListPage, ObjectKey
 from lmcache.v1.distributed.internal_api import L2StoreResult
 from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface, L2TaskId
 from lmcache.v1.distributed.l2_adapters.key_codec import object_key_to_string
-from lmcache.v1.distributed.l2_adapters.utils import KeyLockTable, OnceResults, TaskIds
-from lmcache.v1.platform.event_notifier import create_event_notifier
+from lmcache.v1.distributed.l2_adapters.utils import CompletionChannels, KeyLockTable, TaskIds
 
 logger = init_logger(__name__)
 
@@ -92,7 +91,7 @@ def _requests(keys: list[ObjectKey], objects: list[Any]) -> list[tuple[str, memo
     return [(object_key_to_string(k), _bytes_view(o)) for k, o in zip(keys, objects, strict=True)]
 
 
-class S3L2Adapter(L2AdapterInterface):
+class S3L2Adapter(CompletionChannels, L2AdapterInterface):
     def __init__(
         self, config: S3L2AdapterConfig | dict[str, Any], l1_memory_desc: Any = None, **_: Any
     ) -> None:
@@ -106,13 +105,8 @@ class S3L2Adapter(L2AdapterInterface):
             config.s3_max_connection_failures, config.s3_circuit_reset_seconds
         )
         self._warn = _WarnLimiter()
-        self._store_notifier = create_event_notifier()
-        self._lookup_notifier = create_event_notifier()
-        self._load_notifier = create_event_notifier()
+        self._open_channels()
         self._ids = TaskIds()
-        self._store_results = OnceResults()
-        self._lookup_results = OnceResults()
-        self._load_results = OnceResults()
         self._locks = KeyLockTable()
 
         self._lock = threading.Lock()
@@ -139,17 +133,6 @@ class S3L2Adapter(L2AdapterInterface):
             config.s3_addressing_style,
             config.s3_request_timeout_seconds,
         )
-
-    # --- fds ------------------------------------------------------------------------------
-
-    def get_store_event_fd(self) -> int:
-        return self._store_notifier.fileno()
-
-    def get_lookup_and_lock_event_fd(self) -> int:
-        return self._lookup_notifier.fileno()
-
-    def get_load_event_fd(self) -> int:
-        return self._load_notifier.fileno()
 
     # --- health ---------------------------------------------------------------------------
 
@@ -252,7 +235,7 @@ class S3L2Adapter(L2AdapterInterface):
         tid = self._ids.next()
         keys = list(keys)
         if not keys or not self._admit("store", len(keys)):
-            self._publish_store(tid, L2StoreResult(not keys, 0))
+            self._store_channel.complete(tid, L2StoreResult(not keys, 0))
             return tid
         work = _requests(keys, objects)  # raises before any request goes out
         task = _Task(tid, keys)
@@ -279,18 +262,7 @@ class S3L2Adapter(L2AdapterInterface):
                     new_sizes.append(size)
         if new_keys:
             self._notify_keys_stored(new_keys, new_sizes)
-        self._publish_store(task.tid, L2StoreResult(all(task.ok), sum(new_sizes)))
-
-    def _publish_store(self, tid: L2TaskId, result: L2StoreResult) -> None:
-        self._store_results.put(tid, result)
-        self._signal(self._store_notifier)
-
-    def pop_completed_store_tasks(self) -> dict[L2TaskId, L2StoreResult]:
-        return self._store_results.take_all()
-
-    def _signal(self, notifier: Any) -> None:
-        if not self._closed:
-            notifier.notify()
+        self._store_channel.complete(task.tid, L2StoreResult(all(task.ok), sum(new_sizes)))
 
     # --- lookup and lock ------------------------------------------------------------------
 
@@ -300,7 +272,7 @@ class S3L2Adapter(L2AdapterInterface):
         tid = self._ids.next()
         keys = list(keys)
         if not keys or not self._admit("lookup", len(keys)):
-            self._publish(self._lookup_results, self._lookup_notifier, tid, Bitmap(len(keys)))
+            self._lookup_channel.complete(tid, Bitmap(len(keys)))
             return tid
         # Lock first, then look: a delete that starts later skips these keys; keys being
         # deleted right now are misses.
@@ -339,14 +311,7 @@ class S3L2Adapter(L2AdapterInterface):
         for i, hit in enumerate(task.ok):
             if hit:
                 bm.set(i)
-        self._publish(self._lookup_results, self._lookup_notifier, task.tid, bm)
-
-    def _publish(self, results: OnceResults, notifier: Any, tid: L2TaskId, value: Any) -> None:
-        results.put(tid, value)
-        self._signal(notifier)
-
-    def query_lookup_and_lock_result(self, task_id: L2TaskId) -> Bitmap | None:
-        return self._lookup_results.take(task_id)
+        self._lookup_channel.complete(task.tid, bm)
 
     def submit_unlock(self, keys: list[ObjectKey]) -> None:
         self._locks.unlock(list(keys))
@@ -357,7 +322,7 @@ class S3L2Adapter(L2AdapterInterface):
         tid = self._ids.next()
         keys = list(keys)
         if not keys or not self._admit("load", len(keys)):
-            self._publish(self._load_results, self._load_notifier, tid, Bitmap(len(keys)))
+            self._load_channel.complete(tid, Bitmap(len(keys)))
             return tid
         work = _requests(keys, objects)  # raises before any request goes out
         task = _Task(tid, keys)
@@ -399,10 +364,7 @@ class S3L2Adapter(L2AdapterInterface):
                 loaded.append(task.keys[i])
         if loaded:
             self._notify_keys_accessed(loaded)
-        self._publish(self._load_results, self._load_notifier, task.tid, bm)
-
-    def query_load_result(self, task_id: L2TaskId) -> Bitmap | None:
-        return self._load_results.take(task_id)
+        self._load_channel.complete(task.tid, bm)
 
     # --- delete and listing ---------------------------------------------------------------
 
@@ -528,6 +490,5 @@ class S3L2Adapter(L2AdapterInterface):
         self._housekeeper.join(timeout=5)
         self._transport.close()  # no buffer is touched after this
         self._finisher.shutdown(wait=True)
-        for n in (self._store_notifier, self._lookup_notifier, self._load_notifier):
-            n.close()
+        self._close_channels()
         logger.info("s3: adapter for %s closed", self._url)

@@ -14,8 +14,8 @@ from typing import Any
 
 from lmcache.lmcache_native import Bitmap
 from lmcache.utils import init_logger
-from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey
-from lmcache.v1.distributed.internal_api import L1MemoryDesc, L2StoreResult
+from lmcache.v1.distributed.api import ObjectKey
+from lmcache.v1.distributed.internal_api import L1MemoryDesc
 from lmcache.v1.distributed.l2_adapters.base import L2TaskId
 from lmcache.v1.distributed.l2_adapters.config import (
     L2AdapterConfigBase,
@@ -131,39 +131,14 @@ class FaultInjectL2Adapter(WrappingL2Adapter):
             config.gap_tail_ratios,
         )
 
-    def get_store_event_fd(self) -> int:
-        return self._inner.get_store_event_fd()
-
-    def get_lookup_and_lock_event_fd(self) -> int:
-        return self._inner.get_lookup_and_lock_event_fd()
-
-    def get_load_event_fd(self) -> int:
-        return self._inner.get_load_event_fd()
-
-    def submit_store_task(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> L2TaskId:
-        return self._inner.submit_store_task(keys, objects)
-
-    def pop_completed_store_tasks(self) -> dict[L2TaskId, L2StoreResult]:
-        return self._inner.pop_completed_store_tasks()
-
-    def submit_lookup_and_lock_task(
-        self,
-        keys: list[ObjectKey],
-        group_layout_descs: dict[int, MemoryLayoutDesc] | None = None,
-    ) -> L2TaskId:
-        return self._inner.submit_lookup_and_lock_task(keys, group_layout_descs)
-
-    def query_lookup_and_lock_result(self, task_id: L2TaskId) -> Bitmap | None:
-        return self._inner.query_lookup_and_lock_result(task_id)
-
     def submit_load_task(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> L2TaskId:
-        tid = self._inner.submit_load_task(keys, objects)
+        tid = super().submit_load_task(keys, objects)
         with self._mu:
             self._load_keys[tid] = list(keys)
         return tid
 
     def query_load_result(self, task_id: L2TaskId) -> Bitmap | None:
-        bm = self._inner.query_load_result(task_id)
+        bm = super().query_load_result(task_id)
         if bm is None:
             return None
         with self._mu:
@@ -181,9 +156,6 @@ class FaultInjectL2Adapter(WrappingL2Adapter):
             "gap_tail_ratios": self._cfg.gap_tail_ratios,
         }
         return status
-
-    def close(self) -> None:
-        self._inner.close()
 
 
 def _create(

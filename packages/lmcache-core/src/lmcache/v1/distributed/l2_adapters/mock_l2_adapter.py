@@ -23,9 +23,8 @@ from lmcache.v1.distributed.l2_adapters.config import (
 )
 from lmcache.v1.distributed.l2_adapters.health import HealthTracker
 from lmcache.v1.distributed.l2_adapters.hookspecs import L2AdapterTypeSpec, hookimpl
-from lmcache.v1.distributed.l2_adapters.utils import KeyLockTable, OnceResults, TaskIds
+from lmcache.v1.distributed.l2_adapters.utils import CompletionChannels, KeyLockTable, TaskIds
 from lmcache.v1.memory_management import MemoryObj
-from lmcache.v1.platform.event_notifier import create_event_notifier
 
 logger = init_logger(__name__)
 
@@ -63,7 +62,7 @@ class MockL2AdapterConfig(L2AdapterConfigBase):
         )
 
 
-class MockL2Adapter(L2AdapterInterface):
+class MockL2Adapter(CompletionChannels, L2AdapterInterface):
     def __init__(self, config: MockL2AdapterConfig, l1_memory_desc: L1MemoryDesc | None = None):
         super().__init__(max_capacity_bytes=int(config.max_size_gb * GiB))
         self._bandwidth = config.mock_bandwidth_gb * GiB
@@ -72,25 +71,12 @@ class MockL2Adapter(L2AdapterInterface):
         self._mu = threading.Lock()
         self._locks = KeyLockTable()
         self._ids = TaskIds()
-        self._store_n, self._lookup_n, self._load_n = (create_event_notifier() for _ in range(3))
-        self._store_done = OnceResults()
-        self._lookup_done = OnceResults()
-        self._load_done = OnceResults()
+        self._open_channels()
         self._jobs: queue.Queue[Any] = queue.Queue()
         self._health = HealthTracker("mock")
         self._closed = False
         self._worker = threading.Thread(target=self._run, name="mock-l2-adapter", daemon=True)
         self._worker.start()
-
-    # fds
-    def get_store_event_fd(self) -> int:
-        return self._store_n.fileno()
-
-    def get_lookup_and_lock_event_fd(self) -> int:
-        return self._lookup_n.fileno()
-
-    def get_load_event_fd(self) -> int:
-        return self._load_n.fileno()
 
     # worker
     def _run(self) -> None:
@@ -136,14 +122,10 @@ class MockL2Adapter(L2AdapterInterface):
                     new_sizes.append(len(data))
             if new_keys:
                 self._notify_keys_stored(new_keys, new_sizes)
-            self._store_done.put(tid, L2StoreResult(True, sum(new_sizes)))
-            self._store_n.notify()
+            self._store_channel.complete(tid, L2StoreResult(True, sum(new_sizes)))
 
         self._submit("store", job)
         return tid
-
-    def pop_completed_store_tasks(self) -> dict[L2TaskId, L2StoreResult]:
-        return self._store_done.take_all()
 
     # lookup
     def submit_lookup_and_lock_task(
@@ -162,14 +144,10 @@ class MockL2Adapter(L2AdapterInterface):
                         bm.set(i)
                         found.append(k)
                 self._locks.lock(found)
-            self._lookup_done.put(tid, bm)
-            self._lookup_n.notify()
+            self._lookup_channel.complete(tid, bm)
 
         self._submit("lookup", job)
         return tid
-
-    def query_lookup_and_lock_result(self, task_id: L2TaskId) -> Bitmap | None:
-        return self._lookup_done.take(task_id)
 
     def submit_unlock(self, keys: list[ObjectKey]) -> None:
         self._locks.unlock(keys)
@@ -197,14 +175,10 @@ class MockL2Adapter(L2AdapterInterface):
             self._delay(total)
             if loaded:
                 self._notify_keys_accessed(loaded)
-            self._load_done.put(tid, bm)
-            self._load_n.notify()
+            self._load_channel.complete(tid, bm)
 
         self._submit("load", job)
         return tid
-
-    def query_load_result(self, task_id: L2TaskId) -> Bitmap | None:
-        return self._load_done.take(task_id)
 
     # eviction
     def delete(self, keys: list[ObjectKey]) -> None:
@@ -270,8 +244,7 @@ class MockL2Adapter(L2AdapterInterface):
         self._closed = True
         self._jobs.put(None)
         self._worker.join(timeout=5)
-        for n in (self._store_n, self._lookup_n, self._load_n):
-            n.close()
+        self._close_channels()
 
 
 def _create(config: L2AdapterConfigBase, l1_memory_desc: L1MemoryDesc | None) -> MockL2Adapter:

@@ -49,9 +49,8 @@ from lmcache.v1.distributed.internal_api import L2StoreResult
 from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface, L2TaskId
 from lmcache.v1.distributed.l2_adapters.health import HealthTracker
 from lmcache.v1.distributed.l2_adapters.key_codec import object_key_to_string
-from lmcache.v1.distributed.l2_adapters.utils import KeyLockTable, OnceResults, TaskIds
+from lmcache.v1.distributed.l2_adapters.utils import CompletionChannels, KeyLockTable, TaskIds
 from lmcache.v1.memory_management import MemoryObj, TensorMemoryObj
-from lmcache.v1.platform.event_notifier import create_event_notifier
 
 logger = init_logger(__name__)
 
@@ -80,7 +79,7 @@ class _Pending:
     waiter: threading.Event | None = None
 
 
-class NativeConnectorL2Adapter(L2AdapterInterface):
+class NativeConnectorL2Adapter(CompletionChannels, L2AdapterInterface):
     def __init__(
         self,
         native_client: Any,
@@ -114,10 +113,7 @@ class NativeConnectorL2Adapter(L2AdapterInterface):
         # leaves them to the store, which charges and reports them itself.
         self._storing: collections.Counter[ObjectKey] = collections.Counter()
         self._locks = KeyLockTable()
-        self._store_n, self._lookup_n, self._load_n = (create_event_notifier() for _ in range(3))
-        self._store_done = OnceResults()
-        self._lookup_done = OnceResults()
-        self._load_done = OnceResults()
+        self._open_channels()
         self._closed = False
         self._healthy = True
         self._demux_errors = 0
@@ -126,17 +122,6 @@ class NativeConnectorL2Adapter(L2AdapterInterface):
             target=self._demux_loop, name="l2-adapter-demux", daemon=True
         )
         self._thread.start()
-
-    # --- fds -----------------------------------------------------------------------------
-
-    def get_store_event_fd(self) -> int:
-        return self._store_n.fileno()
-
-    def get_lookup_and_lock_event_fd(self) -> int:
-        return self._lookup_n.fileno()
-
-    def get_load_event_fd(self) -> int:
-        return self._load_n.fileno()
 
     # --- submit path ------------------------------------------------------------------------
 
@@ -237,21 +222,18 @@ class NativeConnectorL2Adapter(L2AdapterInterface):
                 if ok
                 else L2StoreResult(False, 0, error=error or "the connector gave no reason")
             )
-            self._store_done.put(p.task_id, result)
-            self._store_n.notify()
+            self._store_channel.complete(p.task_id, result)
         elif p.op == "lookup":
             bm = self._bitmap(p.n, ok, bools, default_all=False)
             found = bm.gather(p.keys)
             self._locks.lock(found)
-            self._lookup_done.put(p.task_id, bm)
-            self._lookup_n.notify()
+            self._lookup_channel.complete(p.task_id, bm)
         elif p.op == "load":
             bm = self._bitmap(p.n, ok, bools, default_all=True)
             loaded = bm.gather(p.keys)
             if loaded:
                 self._notify_keys_accessed(loaded)
-            self._load_done.put(p.task_id, bm)
-            self._load_n.notify()
+            self._load_channel.complete(p.task_id, bm)
         else:  # delete
             bm = self._bitmap(p.n, ok, bools, default_all=True)
             removed, sizes = [], []
@@ -349,9 +331,6 @@ class NativeConnectorL2Adapter(L2AdapterInterface):
     def submit_store_task(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> L2TaskId:
         return self._submit("store", list(keys), list(objects))
 
-    def pop_completed_store_tasks(self) -> dict[L2TaskId, L2StoreResult]:
-        return self._store_done.take_all()
-
     def submit_lookup_and_lock_task(
         self,
         keys: list[ObjectKey],
@@ -359,17 +338,11 @@ class NativeConnectorL2Adapter(L2AdapterInterface):
     ) -> L2TaskId:
         return self._submit("lookup", list(keys), None)
 
-    def query_lookup_and_lock_result(self, task_id: L2TaskId) -> Bitmap | None:
-        return self._lookup_done.take(task_id)
-
     def submit_unlock(self, keys: list[ObjectKey]) -> None:
         self._locks.unlock(list(keys))
 
     def submit_load_task(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> L2TaskId:
         return self._submit("load", list(keys), list(objects))
-
-    def query_load_result(self, task_id: L2TaskId) -> Bitmap | None:
-        return self._load_done.take(task_id)
 
     def delete(self, keys: list[ObjectKey]) -> None:
         if not self._has_delete or self._closed:
@@ -458,5 +431,4 @@ class NativeConnectorL2Adapter(L2AdapterInterface):
             w.set()
         with self._lock:
             self._pending.clear()
-        for n in (self._store_n, self._lookup_n, self._load_n):
-            n.close()
+        self._close_channels()

@@ -29,7 +29,7 @@ from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey
 from lmcache.v1.distributed.internal_api import L1Error, L2AdapterListener, L2StoreResult
 from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface, L2TaskId
 from lmcache.v1.distributed.l2_adapters.config import SerdeConfig
-from lmcache.v1.distributed.l2_adapters.utils import OnceResults, TaskIds
+from lmcache.v1.distributed.l2_adapters.utils import CompletionChannels, TaskIds
 from lmcache.v1.distributed.l2_adapters.wrapping import WrappingL2Adapter
 from lmcache.v1.memory_management import MemoryObj
 from lmcache.v1.platform.event_notifier import consume_fd, create_event_notifier
@@ -158,7 +158,7 @@ class _SizeForgetter(L2AdapterListener):
                 self._sizes.pop(k, None)
 
 
-class SerdeL2AdapterWrapper(WrappingL2Adapter):
+class SerdeL2AdapterWrapper(CompletionChannels, WrappingL2Adapter):
     def __init__(
         self, inner: L2AdapterInterface, serde: L2Serde, serde_name: str, l1_manager: Any
     ) -> None:
@@ -172,28 +172,14 @@ class SerdeL2AdapterWrapper(WrappingL2Adapter):
         self._sizes: dict[ObjectKey, int] = {}  # serialized size of each stored key
         self._stores: dict[int, tuple[int, list[ObjectKey], list[int], _Temporaries]] = {}
         self._loads: dict[int, tuple[int, list[int], list[MemoryObj], _Temporaries, int]] = {}
-        self._store_done = OnceResults()
-        self._load_done = OnceResults()
         self._jobs: queue.Queue[Callable[[], None]] = queue.Queue()
-        self._store_n, self._lookup_n, self._load_n, self._ctl_n = (
-            create_event_notifier() for _ in range(4)
-        )
+        self._open_channels()  # lookup results stay the inner adapter's: only its fd is woken
+        self._ctl_n = create_event_notifier()
         self._closed = False
         self._errors = 0
         inner.register_listener(_SizeForgetter(self._sizes, self._mu))
         self._thread = threading.Thread(target=self._run, name="l2-serde-wrapper", daemon=True)
         self._thread.start()
-
-    # --- fds -------------------------------------------------------------------------------
-
-    def get_store_event_fd(self) -> int:
-        return self._store_n.fileno()
-
-    def get_lookup_and_lock_event_fd(self) -> int:
-        return self._lookup_n.fileno()
-
-    def get_load_event_fd(self) -> int:
-        return self._load_n.fileno()
 
     # --- poll thread -----------------------------------------------------------------------
 
@@ -212,7 +198,7 @@ class SerdeL2AdapterWrapper(WrappingL2Adapter):
             if self._closed:
                 return
             if inner_lookup in ready:
-                self._lookup_n.notify()  # results are read straight from the inner adapter
+                self._lookup_channel.wake()
             try:
                 self._drain_jobs()
                 self._collect_stores()
@@ -267,8 +253,7 @@ class SerdeL2AdapterWrapper(WrappingL2Adapter):
         except Exception as e:
             tmps.free()
             self._fail("store", e)
-            self._store_done.put(tid, L2StoreResult(False, 0))
-            self._store_n.notify()
+            self._store_channel.complete(tid, L2StoreResult(False, 0))
             return
         with self._mu:
             self._stores[inner_tid] = (tid, keys, sizes, tmps)
@@ -278,7 +263,6 @@ class SerdeL2AdapterWrapper(WrappingL2Adapter):
             if not self._stores:
                 return
         done = self._inner.pop_completed_store_tasks()
-        finished = False
         for inner_tid, result in done.items():
             with self._mu:
                 entry = self._stores.pop(inner_tid, None)
@@ -289,22 +273,9 @@ class SerdeL2AdapterWrapper(WrappingL2Adapter):
             if _succeeded(result):
                 with self._mu:
                     self._sizes.update(zip(keys, sizes, strict=False))
-            self._store_done.put(tid, result)
-            finished = True
-        if finished:
-            self._store_n.notify()
+            self._store_channel.complete(tid, result)
 
-    def pop_completed_store_tasks(self) -> dict[L2TaskId, L2StoreResult]:
-        return self._store_done.take_all()
-
-    # --- lookup / unlock / delete: pass-through ------------------------------------------------
-
-    def submit_lookup_and_lock_task(
-        self,
-        keys: list[ObjectKey],
-        group_layout_descs: dict[int, MemoryLayoutDesc] | None = None,
-    ) -> L2TaskId:
-        return self._inner.submit_lookup_and_lock_task(keys, group_layout_descs)
+    # --- lookup: the inner adapter's (the poll thread only forwards its wake-ups) -------------
 
     def query_lookup_and_lock_result(self, task_id: L2TaskId) -> Bitmap | None:
         return self._inner.query_lookup_and_lock_result(task_id)
@@ -369,11 +340,7 @@ class SerdeL2AdapterWrapper(WrappingL2Adapter):
             self._finish_load(tid, out)
 
     def _finish_load(self, tid: int, bm: Bitmap) -> None:
-        self._load_done.put(tid, bm)
-        self._load_n.notify()
-
-    def query_load_result(self, task_id: L2TaskId) -> Bitmap | None:
-        return self._load_done.take(task_id)
+        self._load_channel.complete(tid, bm)
 
     # --- accounting and status: the inner adapter's ----------------------------------------------
 
@@ -400,8 +367,8 @@ class SerdeL2AdapterWrapper(WrappingL2Adapter):
             tmps.free()
         for _tid, _pos, _objs, tmps, _n in loads.values():
             tmps.free()
-        for n in (self._store_n, self._lookup_n, self._load_n, self._ctl_n):
-            n.close()
+        self._close_channels()
+        self._ctl_n.close()
 
 
 def _succeeded(result: Any) -> bool:

@@ -1,4 +1,5 @@
-"""Helpers shared by the Python adapters of core: client-side L2 locks and task bookkeeping."""
+"""Helpers shared by Python L2 adapters (core's and the storage wheels'): client-side L2 locks,
+task ids, and the completion channels behind the event-fd half of ``L2AdapterInterface``."""
 
 from __future__ import annotations
 
@@ -6,8 +7,10 @@ import itertools
 import threading
 from typing import Any
 
-from lmcache.lmcache_native import TTLLock
+from lmcache.lmcache_native import Bitmap, TTLLock
 from lmcache.v1.distributed.api import ObjectKey
+from lmcache.v1.distributed.internal_api import L2StoreResult
+from lmcache.v1.platform.event_notifier import create_event_notifier
 
 L2_LOCK_TTL_SECONDS = 300.0
 
@@ -94,3 +97,81 @@ class OnceResults:
     def __len__(self) -> int:
         with self._mu:
             return len(self._d)
+
+
+class CompletionChannel:
+    """Completions of one task kind (store, lookup-and-lock or load): each result is handed out
+    exactly once, and the event fd the caller polls becomes readable when one is ready. After
+    ``close()`` results are still kept but nobody is woken (the fd may be reused already)."""
+
+    def __init__(self) -> None:
+        self._results = OnceResults()
+        self._notifier = create_event_notifier()
+        self._mu = threading.Lock()
+        self._closed = False
+
+    def fileno(self) -> int:
+        return self._notifier.fileno()
+
+    def complete(self, task_id: int, result: Any) -> None:
+        """Publish ``result`` for ``task_id``, then wake the caller (in that order, so a woken
+        caller always finds it)."""
+        self._results.put(task_id, result)
+        self.wake()
+
+    def wake(self) -> None:
+        """Wake the caller without a result (a wrapper whose results live elsewhere)."""
+        with self._mu:
+            if not self._closed:
+                self._notifier.notify()
+
+    def take(self, task_id: int) -> Any:
+        return self._results.take(task_id)
+
+    def take_all(self) -> dict[int, Any]:
+        return self._results.take_all()
+
+    def close(self) -> None:
+        with self._mu:
+            if not self._closed:
+                self._closed = True
+                self._notifier.close()
+
+
+class CompletionChannels:
+    """Mixin implementing the completion half of ``L2AdapterInterface`` (the three event-fd
+    getters, ``pop_completed_store_tasks``, ``query_lookup_and_lock_result`` and
+    ``query_load_result``) over three channels. Call ``_open_channels()`` in ``__init__``,
+    ``channel.complete(task_id, result)`` when a task finishes, ``_close_channels()`` in
+    ``close()``. List it before ``L2AdapterInterface`` among the bases."""
+
+    _store_channel: CompletionChannel
+    _lookup_channel: CompletionChannel
+    _load_channel: CompletionChannel
+
+    def _open_channels(self) -> None:
+        self._store_channel = CompletionChannel()
+        self._lookup_channel = CompletionChannel()
+        self._load_channel = CompletionChannel()
+
+    def _close_channels(self) -> None:
+        for channel in (self._store_channel, self._lookup_channel, self._load_channel):
+            channel.close()
+
+    def get_store_event_fd(self) -> int:
+        return self._store_channel.fileno()
+
+    def get_lookup_and_lock_event_fd(self) -> int:
+        return self._lookup_channel.fileno()
+
+    def get_load_event_fd(self) -> int:
+        return self._load_channel.fileno()
+
+    def pop_completed_store_tasks(self) -> dict[int, L2StoreResult]:
+        return self._store_channel.take_all()
+
+    def query_lookup_and_lock_result(self, task_id: int) -> Bitmap | None:
+        return self._lookup_channel.take(task_id)
+
+    def query_load_result(self, task_id: int) -> Bitmap | None:
+        return self._load_channel.take(task_id)

@@ -13,6 +13,7 @@ from typing import Any, ClassVar
 
 from lmcache.utils import init_logger
 from lmcache.v1.platform import ops_types
+from lmcache.v1.platform.base.block_transfer import BlockTransferPlan, plan_block_transfer
 
 logger = init_logger(__name__)
 
@@ -131,17 +132,25 @@ class DeviceOps:
         engine_kv_format,
         skip_prefix_n_blocks,
     ):
-        return _t().multi_layer_block_kv_transfer(
-            paged_buffer_ptrs_tensor,
-            lmcache_objects_ptrs,
-            block_ids,
-            device,
-            direction,
-            shape_desc,
-            lmcache_chunk_size,
-            engine_kv_format,
-            skip_prefix_n_blocks,
+        return self.transfer_blocks(
+            plan_block_transfer(
+                paged_buffer_ptrs_tensor,
+                lmcache_objects_ptrs,
+                block_ids,
+                device,
+                direction,
+                shape_desc,
+                lmcache_chunk_size,
+                engine_kv_format,
+                skip_prefix_n_blocks,
+            )
         )
+
+    def transfer_blocks(self, plan: BlockTransferPlan) -> None:
+        """Run a checked ``multi_layer_block_kv_transfer`` (see ``base.block_transfer``).
+        Backends override this rather than the nine-argument op; the default is the torch
+        baseline."""
+        return _t().transfer_blocks(plan)
 
     def multi_layer_kv_transfer(
         self,

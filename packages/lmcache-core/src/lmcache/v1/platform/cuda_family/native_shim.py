@@ -16,6 +16,7 @@ import torch as _torch
 
 from lmcache.v1.platform import ops_types as _ops_types
 from lmcache.v1.platform import torch_ops as _torch_ops
+from lmcache.v1.platform.base.block_transfer import plan_block_transfer
 
 # Tuple formats have no pointer form; everything else is one generic strided kernel.
 _NO_POINTER_FORM = {
@@ -100,38 +101,23 @@ def _element_size(shape_desc, paged, objects) -> int:
 def make_native_ops(C: Any) -> tuple[Callable[..., Any], Callable[..., Any]]:
     """(multi_layer_block_kv_transfer, lmcache_memcpy_async) over the compiled module ``C``."""
 
-    def multi_layer_block_kv_transfer(
-        paged_buffer_ptrs_tensor,
-        lmcache_objects_ptrs,
-        block_ids,
-        device,
-        direction,
-        shape_desc,
-        lmcache_chunk_size,
-        engine_kv_format,
-        skip_prefix_n_blocks,
-    ):
-        fmt = int(engine_kv_format)
-        fallback = fmt in _NO_POINTER_FORM or int(getattr(shape_desc, "block_stride_elems", 0) or 0)
-        dev = _torch.device(device) if not isinstance(device, _torch.device) else device
+    def multi_layer_block_kv_transfer(*args: Any, **kwargs: Any) -> None:
+        """The op, arguments as ``plan_block_transfer`` takes them."""
+        plan = plan_block_transfer(*args, **kwargs)
+        fmt = int(plan.engine_kv_format)
+        sd = plan.shape_desc
+        fallback = fmt in _NO_POINTER_FORM or int(getattr(sd, "block_stride_elems", 0) or 0)
+        dev = plan.device
+        dev = _torch.device(dev) if not isinstance(dev, _torch.device) else dev
         paged = objs = None
         if not fallback:
-            elem = _element_size(shape_desc, paged_buffer_ptrs_tensor, lmcache_objects_ptrs)
-            plane, chunk = _plane_and_chunk_bytes(fmt, shape_desc, elem, int(lmcache_chunk_size))
-            paged = _paged_pointer_tensor(paged_buffer_ptrs_tensor, dev, plane)
-            objs = None if paged is None else _object_pointers(lmcache_objects_ptrs, chunk)
+            elem = _element_size(sd, plan.paged, plan.objects)
+            plane, chunk = _plane_and_chunk_bytes(fmt, sd, elem, plan.chunk_size)
+            paged = _paged_pointer_tensor(plan.paged, dev, plane)
+            objs = None if paged is None else _object_pointers(plan.objects, chunk)
         if paged is None or objs is None:
-            return _torch_ops.multi_layer_block_kv_transfer(
-                paged_buffer_ptrs_tensor,
-                lmcache_objects_ptrs,
-                block_ids,
-                device,
-                direction,
-                shape_desc,
-                lmcache_chunk_size,
-                engine_kv_format,
-                skip_prefix_n_blocks,
-            )
+            return _torch_ops.transfer_blocks(plan)
+        block_ids = plan.block_ids
         if isinstance(block_ids, _torch.Tensor):
             ids = block_ids.reshape(-1)
             if ids.dtype not in (_torch.int32, _torch.int64):
@@ -147,16 +133,16 @@ def make_native_ops(C: Any) -> tuple[Callable[..., Any], Callable[..., Any]]:
             ids.data_ptr(),
             ids.numel(),
             ids.dtype == _torch.int32,
-            int(direction),
+            int(plan.direction),
             fmt,
-            int(shape_desc.nl),
-            int(shape_desc.nb),
-            int(shape_desc.bs),
-            int(shape_desc.nh),
-            int(shape_desc.hs),
+            int(sd.nl),
+            int(sd.nb),
+            int(sd.bs),
+            int(sd.nh),
+            int(sd.hs),
             elem,
-            int(lmcache_chunk_size),
-            int(skip_prefix_n_blocks),
+            plan.chunk_size,
+            plan.skip_blocks,
             stream,
         )
 

@@ -3,13 +3,15 @@
 Every public op of platform.md §4.2 is importable from here and mirrored by a
 ``DeviceOps`` method of the same name and signature. Helpers for backends, not ops:
 ``host_tensor_from_ptr`` (zero-copy view of a host address), ``is_pointer_tensor`` and
-``infer_pointer_dtype`` (recognising pointer operands and their KV dtype).
+``infer_pointer_dtype`` (recognising pointer operands and their KV dtype), and
+``transfer_blocks`` (the baseline for a ``BlockTransferPlan``).
 """
 
 from lmcache.v1.platform.torch_ops._block import (
     infer_pointer_dtype,
     is_pointer_tensor,
     multi_layer_block_kv_transfer,
+    transfer_blocks,
 )
 from lmcache.v1.platform.torch_ops._legacy import multi_layer_kv_transfer
 from lmcache.v1.platform.torch_ops._memory import (
@@ -86,4 +88,5 @@ __all__ = [
     "rotary_embedding_k_fused_strided",
     "single_layer_kv_transfer",
     "single_layer_kv_transfer_sgl",
+    "transfer_blocks",
 ]

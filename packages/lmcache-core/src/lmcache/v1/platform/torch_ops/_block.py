@@ -26,9 +26,9 @@ from typing import Any
 
 import torch
 
+from lmcache.v1.platform.base.block_transfer import BlockTransferPlan, plan_block_transfer
 from lmcache.v1.platform.ops_types import (
     EngineKVFormat,
-    TransferDirection,
     is_cross_layer,
     is_fused_packed,
     is_hnd,
@@ -37,7 +37,6 @@ from lmcache.v1.platform.ops_types import (
     is_mla,
     is_pbs_fused,
     is_single_kv,
-    to_engine_kv_format,
 )
 
 F = EngineKVFormat
@@ -151,15 +150,6 @@ def _block_runs(ids: list[int]) -> list[tuple[int, int, int]]:
         runs.append((a, j, m - j))
         j = m
     return runs
-
-
-def _direction(direction: Any) -> TransferDirection:
-    try:
-        return TransferDirection(int(direction))
-    except (TypeError, ValueError):
-        raise ValueError(
-            f"invalid transfer direction {direction!r}: expected TransferDirection.H2D or D2H"
-        ) from None
 
 
 def _view(t: torch.Tensor, *shape: int, what: str) -> torch.Tensor:
@@ -537,33 +527,42 @@ def multi_layer_block_kv_transfer(
     engine_kv_format: Any,
     skip_prefix_n_blocks: int,
 ) -> None:
-    fmt = to_engine_kv_format(engine_kv_format)
-    direction = _direction(direction)
-    chunk = int(lmcache_chunk_size)
-    if chunk <= 0:
-        raise ValueError(f"lmcache_chunk_size={lmcache_chunk_size} must be > 0")
-    skip = int(skip_prefix_n_blocks)
-    if skip < 0:
-        raise ValueError(f"skip_prefix_n_blocks={skip_prefix_n_blocks} must be >= 0")
-    if isinstance(lmcache_objects_ptrs, torch.Tensor):  # a tensor of host addresses
-        objects = [int(a) for a in lmcache_objects_ptrs.reshape(-1).tolist()]
+    transfer_blocks(
+        plan_block_transfer(
+            paged_buffer_ptrs_tensor,
+            lmcache_objects_ptrs,
+            block_ids,
+            device,
+            direction,
+            shape_desc,
+            lmcache_chunk_size,
+            engine_kv_format,
+            skip_prefix_n_blocks,
+        )
+    )
+
+
+def transfer_blocks(plan: BlockTransferPlan) -> None:
+    """The torch baseline of ``DeviceOps.transfer_blocks``: runs ``plan`` on any device."""
+    fmt = plan.engine_kv_format
+    if isinstance(plan.objects, torch.Tensor):  # a tensor of host addresses
+        objects = [int(a) for a in plan.objects.reshape(-1).tolist()]
     else:
-        objects = list(lmcache_objects_ptrs)
-    paged = paged_buffer_ptrs_tensor
+        objects = list(plan.objects)
+    paged, shape_desc = plan.paged, plan.shape_desc
     if is_pointer_tensor(paged):
         dtype = infer_pointer_dtype(shape_desc, objects)
-        dev = torch.device(device) if device is not None else torch.device("cpu")
+        dev = torch.device(plan.device) if plan.device is not None else torch.device("cpu")
         paged = _pointer_tensors(paged, fmt, shape_desc, dtype, dev)
         layout = _build_layout(paged, fmt, shape_desc)
     else:
         layout = _cached_layout(paged, fmt, shape_desc)
     bs = layout.bs
-    if chunk % bs:
-        raise ValueError(f"lmcache_chunk_size={chunk} is not a multiple of the block size {bs}")
-    bpo = chunk // bs
+    bpo = plan.blocks_per_object(bs)
 
     nb = int(layout.planes[0].view.shape[0])
     id_list: list[int] | None = None  # host copy of the ids, for finding runs
+    block_ids = plan.block_ids
     if isinstance(block_ids, torch.Tensor):
         flat_ids = block_ids.reshape(-1)
         if flat_ids.device.type == "cpu" and flat_ids.numel():
@@ -576,11 +575,8 @@ def multi_layer_block_kv_transfer(
             _check_block_range(min(id_list), max(id_list), nb)
         ids = torch.as_tensor(id_list, dtype=torch.long, device=layout.device)
     n = int(ids.numel())
-    if n > len(objects) * bpo:
-        raise ValueError(
-            f"{n} block ids need {-(-n // bpo)} lmcache objects of {bpo} blocks, got {len(objects)}"
-        )
-    if skip >= n:
+    spans = plan.replace(objects=objects).chunk_spans(n, bs)
+    if not spans:
         return
 
     if any(isinstance(o, int) and not isinstance(o, bool) for o in objects):
@@ -588,30 +584,27 @@ def multi_layer_block_kv_transfer(
             raise ValueError(f"{fmt.name} has no pointer form for lmcache objects; pass tensors")
         from lmcache.v1.platform.torch_ops._memory import _tensor_from_ptr
 
-        shape = (layout.kv, layout.nl, chunk, layout.width)
+        shape = (layout.kv, layout.nl, plan.chunk_size, layout.width)
         objects = [
             _tensor_from_ptr(o, shape, layout.dtype, "cpu") if isinstance(o, int) else o
             for o in objects
         ]
 
-    d2h = direction == TransferDirection.D2H
-    moved = _copy_whole_chunks(layout, objects, id_list, bpo, skip, n, d2h)
-    for i, obj in enumerate(objects):
-        start = i * bpo
-        end = min(start + bpo, n)
-        valid = max(start, skip)
-        if valid >= end or i in moved:
+    d2h = plan.d2h
+    moved = _copy_whole_chunks(layout, objects, id_list, bpo, plan.skip_blocks, n, d2h)
+    for span in spans:
+        i = span.index
+        if i in moved:
             continue
-        host = _host_view(obj, layout, i)
-        t0 = (valid - start) * bs
-        nt = (end - valid) * bs
+        host = _host_view(objects[i], layout, i)
+        t0, nt = span.first_token, span.num_tokens
         if t0 + nt > host.shape[2]:
             raise ValueError(
                 f"lmcache object {i} holds {host.shape[2]} tokens; rows {t0}..{t0 + nt} needed"
             )
-        idx = ids[valid:end]
-        nblk = end - valid
-        runs = _block_runs(id_list[valid:end]) if id_list is not None else None
+        idx = ids[span.blocks]
+        nblk = span.num_blocks
+        runs = _block_runs(id_list[span.blocks]) if id_list is not None else None
         if runs is not None and len(runs) * _MIN_AVG_RUN > nblk:
             runs = None
         if d2h:

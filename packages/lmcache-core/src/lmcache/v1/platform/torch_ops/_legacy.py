@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
+from lmcache.v1.platform.base.block_transfer import parse_direction
 from lmcache.v1.platform.ops_types import EngineKVFormat, TransferDirection, to_engine_kv_format
-from lmcache.v1.platform.torch_ops._block import _direction
 
 F = EngineKVFormat
 _SUPPORTED = (
@@ -88,7 +88,7 @@ def multi_layer_kv_transfer(
     block_stride_elems: int = 0,
 ) -> None:
     fmt = to_engine_kv_format(engine_kv_format)
-    direction = _direction(direction)
+    direction = parse_direction(direction)
     if fmt not in _SUPPORTED:
         raise NotImplementedError(
             f"multi_layer_kv_transfer does not support engine_kv_format {fmt.name} ({int(fmt)}) "
