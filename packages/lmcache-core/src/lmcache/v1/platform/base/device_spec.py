@@ -18,7 +18,7 @@ Two ways to write a spec, freely mixed:
           lmcache_driven = False             # engine-driven only
           stream_handle_attr = "sycl_queue"
 
-* **Overriding** (0.5.6 and the seed guide): override the properties and methods
+* **Overriding** (LMCache 0.5.6 and first-generation device guides): override the properties and methods
   (``device_type``, ``backend_name``, ``torch_module_name``, ``ops_cls``,
   ``is_available``, the capability flags, ...). An override always wins over a
   declared attribute.
@@ -208,7 +208,7 @@ class DeviceSpec:
             return ops
 
     # ---- capability flags -------------------------------------------------------------
-    # The transfer router asks only is_lmcache_driven_available(). Seed-era plugins know
+    # The transfer router asks only is_lmcache_driven_available(). First-generation plugins know
     # only is_handle_transfer_available() (base True), 0.5.6 plugins only
     # is_lmcache_driven_available() (base False): each default mirrors the other one when
     # only that one is overridden, so both kinds behave as their authors expect.
@@ -241,8 +241,8 @@ class DeviceSpec:
         return wrapper is not None
 
     def is_handle_transfer_available(self) -> bool:
-        """Seed-era name of the same gate. Default: the declared ``lmcache_driven``; else
-        mirrors an overridden ``is_lmcache_driven_available``; else True (the seed's
+        """First-generation name of the same gate. Default: the declared ``lmcache_driven``; else
+        mirrors an overridden ``is_lmcache_driven_available``; else True (the first-generation
         default). When both are overridden and disagree, the router uses
         ``is_lmcache_driven_available`` and logs a warning."""
         declared = type(self).lmcache_driven
