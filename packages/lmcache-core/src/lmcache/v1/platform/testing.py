@@ -343,8 +343,9 @@ def extra_device_specs(*specs: Any) -> Iterator[Any]:
 
 def check_device_wheel_contract(distribution: str, spec: Any) -> None:
     """A device wheel depends on ``lmcache-core`` and on torch only as a range (never a
-    pin), and its spec overrides both capability flags and the default transfer mode
-    explicitly (no reliance on the base-class bridge)."""
+    pin), and its spec states its capability explicitly (no reliance on the base-class
+    bridge): either it declares ``lmcache_driven = True/False``, or it overrides both
+    capability flags and the default transfer mode."""
     import importlib.metadata as md
 
     from lmcache.v1.platform.base.device_spec import overrides
@@ -353,12 +354,16 @@ def check_device_wheel_contract(distribution: str, spec: Any) -> None:
     assert any(r.split(";")[0].strip() == "lmcache-core" for r in requires), requires
     torch_reqs = [r for r in requires if r.startswith("torch")]
     assert torch_reqs and all("==" not in r for r in torch_reqs), torch_reqs
+    if type(spec).lmcache_driven is not None:
+        return
     for name in (
         "is_lmcache_driven_available",
         "is_handle_transfer_available",
         "default_mp_transfer_mode",
     ):
-        assert overrides(spec, name), f"{type(spec).__name__} does not override {name}"
+        assert overrides(spec, name), (
+            f"{type(spec).__name__} neither declares lmcache_driven nor overrides {name}"
+        )
 
 
 # Per-layer shapes of the formats check_canonical_block_transfer covers.

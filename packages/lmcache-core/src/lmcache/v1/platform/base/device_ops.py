@@ -1,23 +1,51 @@
 """``DeviceOps``: the ops strategy a backend hands out through ``DeviceSpec.get_ops()``.
 
-Every op is declared on the class body and forwards to the same-named function of
-``lmcache.v1.platform.torch_ops``; ``bind_native(module)`` overlays native symbols on one
-instance. Anything else (optional native-only symbols) raises AttributeError, so callers
-probe with ``hasattr(device_ops, name)``.
+A backend's ``DeviceOps`` subclass is where its copy kernels live. Every op is declared
+on the class body and, by default, forwards to the same-named function of
+``lmcache.v1.platform.torch_ops`` (the pure-PyTorch baseline, correct on any device with
+standard tensor ops). A backend overrides the ops it can do better or must do
+differently, and may bind a native module: ``ensure_native()`` (run once, when the
+singleton is created) calls ``bind_native(module)``, which overlays the module's public
+callables and types on that one instance. Anything neither declared nor bound raises
+AttributeError, so callers probe optional native-only symbols with
+``hasattr(device_ops, name)``.
+
+One instance per backend per process, shared by every thread that copies KV: ops must be
+reentrant and keep no per-call state on ``self``. Buffers passed in belong to the caller
+for the whole call and, for asynchronous copies, until the caller synchronizes the
+stream or device; an op never frees, keeps or resizes them. Operand shapes and the
+canonical host chunk layout are described in ``docs/design/platform.md``.
 """
 
 from __future__ import annotations
 
 import inspect
-from typing import Any, ClassVar
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, TypeAlias
 
 from lmcache.utils import init_logger
 from lmcache.v1.platform import ops_types
 from lmcache.v1.platform.base.block_transfer import BlockTransferPlan, plan_block_transfer
 
+if TYPE_CHECKING:
+    import torch
+    from torch import Tensor
+
+    from lmcache.v1.platform.ops_types import EngineKVFormat, TransferDirection
+
+    #: A native module's own ``EngineKVFormat`` or a plain int is accepted too.
+    KVFormatLike: TypeAlias = EngineKVFormat | int
+    #: Engine KV operand: per-layer tensors, kv lists, ``(K, V)``/plane tuples, one
+    #: cross-layer tensor, or (pointer mode) a 1-D int64 tensor of device addresses.
+    PagedKVOperand: TypeAlias = Tensor | Sequence[Any]
+    #: LMCache chunks: host tensors (tensor mode) or host addresses (pointer mode).
+    HostChunks: TypeAlias = Sequence[Tensor] | Sequence[int]
+    BlockIds: TypeAlias = Tensor | Sequence[int]
+    DeviceLike: TypeAlias = torch.device | str
+
 logger = init_logger(__name__)
 
-# The 33 ops of platform.md §4.2, in table order.
+# Every op a DeviceOps declares (and torch_ops mirrors); docs/design/platform.md lists them.
 DEVICE_OP_NAMES: tuple[str, ...] = (
     "multi_layer_block_kv_transfer",
     "multi_layer_kv_transfer",
@@ -65,12 +93,21 @@ def _t() -> Any:
 
 
 class DeviceOps:
-    """Strategy base: every op delegates to the torch baseline."""
+    """Strategy base: every op delegates to the torch baseline.
 
+    Subclass it, set ``device_type`` and ``kv_transfer_operands``, override what differs,
+    and bind native code in ``ensure_native``. A vendor override that falls back calls the
+    ``torch_ops`` function directly (not ``super()``), so the fallback keeps the baseline's
+    semantics even under a bound native module.
+    """
+
+    #: Informational only (the registry keys on specs); shows up in messages.
     device_type: ClassVar[str] = ""
-    # §3.5: "tensor" or "pointer" operands for multi_layer_block_kv_transfer; None = infer.
+    #: Operands of ``multi_layer_block_kv_transfer``: ``"tensor"`` (tensors, all chunks in
+    #: one call) or ``"pointer"`` (int addresses, at most ``max_objects_per_call`` chunks
+    #: per call). None = inferred by ``resolve_kv_transfer_operands``; set it explicitly.
     kv_transfer_operands: ClassVar[str | None] = None
-    # Pointer-mode batch limit; None = 4 (0.5.6's CUDA kernel limit).
+    #: Pointer-mode batch limit; None = 4 (0.5.6's CUDA kernel limit).
     max_objects_per_call: ClassVar[int | None] = None
 
     PageBufferShapeDesc = ops_types.PageBufferShapeDesc
@@ -80,6 +117,7 @@ class DeviceOps:
     KernelGroupSpec = ops_types.KernelGroupSpec
 
     def __init__(self) -> None:
+        """No arguments: ``DeviceSpec.get_ops()`` builds the one instance per backend."""
         self._native_bound = False
 
     def __getattr__(self, name: str) -> Any:
@@ -88,10 +126,26 @@ class DeviceOps:
 
     # ---- native binding ------------------------------------------------------------
     def ensure_native(self) -> None:
-        """Base backends are pure baseline; subclasses bind a native module here."""
+        """Bind the backend's native module, if any; the base is a no-op (pure baseline).
+
+        Called exactly once per instance, by ``DeviceSpec.get_ops()`` under its singleton
+        lock, before any op runs. Set ``self._native_bound = True`` before trying (one
+        attempt per instance), import the module and call ``self.bind_native(module)``.
+        Soft fail is the norm: on ``ImportError``/``OSError`` log a warning naming the
+        module and stay on the baseline. Raise only when the baseline would be unsafe on
+        this device (pointers in a foreign address space); ``get_ops()`` then propagates
+        the error with the backend named and caches nothing.
+        """
         return None
 
     def bind_native(self, module: Any) -> None:
+        """Overlay ``module``'s public callables and types on this instance only.
+
+        Names starting with ``_``, ``None`` values, sub-modules and constants are skipped.
+        Bound functions are called without ``self`` and must take exactly the baseline's
+        positional arguments. An exported ``EngineKVFormat`` also becomes
+        ``self.GPUKVFormat``. Logs the counts at DEBUG.
+        """
         n_ops = n_types = 0
         for name in dir(module):
             if name.startswith("_"):
@@ -116,23 +170,50 @@ class DeviceOps:
             n_types,
         )
 
-    def set_shape_desc_dtype(self, shape_desc: Any, dtype: Any) -> None:
+    def set_shape_desc_dtype(
+        self, shape_desc: ops_types.PageBufferShapeDesc, dtype: torch.dtype
+    ) -> None:
+        """Set the KV dtype on ``shape_desc`` (native shape descriptors need a setter)."""
         shape_desc.dtype = dtype
 
     # ---- required ops ------------------------------------------------------------------
+    # Every op below is called on the thread that does the copy: the worker's own thread
+    # in engine_driven mode, the server's per-worker transfer thread in lmcache_driven mode
+    # (one thread per worker, so one backend instance sees concurrent calls from several
+    # workers). A native override receives exactly these positional arguments, without
+    # ``self``. Validation errors are ``ValueError`` naming the bad value; an operand kind
+    # the backend cannot handle is ``ValueError``/``NotImplementedError`` naming the
+    # backend, never a silent host-pointer fallback.
     def multi_layer_block_kv_transfer(
         self,
-        paged_buffer_ptrs_tensor,
-        lmcache_objects_ptrs,
-        block_ids,
-        device,
-        direction,
-        shape_desc,
-        lmcache_chunk_size,
-        engine_kv_format,
-        skip_prefix_n_blocks,
-    ):
-        return self.transfer_blocks(
+        paged_buffer_ptrs_tensor: PagedKVOperand,
+        lmcache_objects_ptrs: HostChunks,
+        block_ids: BlockIds,
+        device: DeviceLike,
+        direction: TransferDirection,
+        shape_desc: ops_types.PageBufferShapeDesc,
+        lmcache_chunk_size: int,
+        engine_kv_format: KVFormatLike,
+        skip_prefix_n_blocks: int,
+    ) -> None:
+        """Copy whole paged KV blocks between the engine's cache and LMCache chunks.
+
+        The hot path of both transfer modes. ``block_ids`` is the flat list of engine
+        block ids in token order; chunk ``i`` of ``lmcache_objects_ptrs`` covers blocks
+        ``[i*bpo, (i+1)*bpo)`` with ``bpo = lmcache_chunk_size // shape_desc.bs`` (the last
+        chunk may be partial). The first ``skip_prefix_n_blocks`` blocks of the *flat*
+        list are neither read (H2D) nor written (D2H); a chunk with nothing left in range is
+        not touched. Chunks use the canonical token-major host layout, byte-identical to
+        L2 data.
+
+        Operands: ``paged_buffer_ptrs_tensor`` is the per-layer tensors (or kv lists,
+        ``(K, V)`` tuples, one cross-layer tensor) or, in pointer mode, a 1-D int64 tensor
+        of device addresses; ``lmcache_objects_ptrs`` is host chunk tensors or host
+        addresses (see ``kv_transfer_operands``). The caller owns every buffer and keeps
+        it alive until the copy is complete: D2H may be asynchronous, so the caller
+        synchronizes the device or stream before reading or freeing a chunk.
+        """
+        self.transfer_blocks(
             plan_block_transfer(
                 paged_buffer_ptrs_tensor,
                 lmcache_objects_ptrs,
@@ -154,19 +235,24 @@ class DeviceOps:
 
     def multi_layer_kv_transfer(
         self,
-        key_value,
-        key_value_ptrs,
-        slot_mapping,
-        paged_memory_device,
-        page_buffer_size,
-        direction,
-        engine_kv_format,
-        block_size=0,
-        head_size=0,
-        skip_prefix_n_tokens=0,
-        block_stride_elems=0,
-    ):
-        return _t().multi_layer_kv_transfer(
+        key_value: Tensor,
+        key_value_ptrs: PagedKVOperand,
+        slot_mapping: Tensor,
+        paged_memory_device: DeviceLike,
+        page_buffer_size: int,
+        direction: TransferDirection,
+        engine_kv_format: KVFormatLike,
+        block_size: int = 0,
+        head_size: int = 0,
+        skip_prefix_n_tokens: int = 0,
+        block_stride_elems: int = 0,
+    ) -> None:
+        """Legacy per-token copy: ``key_value`` (``[2, NL, T, hidden]``, MLA
+        ``[1, NL, T, hidden]``) to/from the slots ``slot_mapping[t]`` of the paged cache;
+        negative slots and the first ``skip_prefix_n_tokens`` tokens are skipped. D2H is
+        synchronous. HND formats need ``block_size``/``head_size``; unsupported formats
+        raise ``NotImplementedError`` naming the format."""
+        _t().multi_layer_kv_transfer(
             key_value,
             key_value_ptrs,
             slot_mapping,
@@ -181,88 +267,142 @@ class DeviceOps:
         )
 
     def lmcache_memcpy_async(
-        self, dest, src, nbytes, direction, host_buffer_offset, host_buffer_alignments
-    ):
-        return _t().lmcache_memcpy_async(
+        self,
+        dest: Tensor | int,
+        src: Tensor | int,
+        nbytes: int,
+        direction: TransferDirection,
+        host_buffer_offset: int,
+        host_buffer_alignments: int,
+    ) -> None:
+        """Copy ``nbytes`` between a device buffer and host memory, stream-ordered.
+
+        Both operands are tensors or both are raw addresses (mixed: ``TypeError``).
+        ``host_buffer_offset`` is the host address's offset from its allocation base and
+        ``host_buffer_alignments`` (a power of two) the pinning granularity a copy must not
+        straddle. The baseline copies raw pointers only on a CPU-only process; a backend
+        that can see device pointers overrides it. The caller synchronizes before using
+        the destination."""
+        _t().lmcache_memcpy_async(
             dest, src, nbytes, direction, host_buffer_offset, host_buffer_alignments
         )
 
-    def calculate_cdf(self, input_tensor, num_bins):
+    def calculate_cdf(self, input_tensor: Tensor, num_bins: int) -> Tensor:
+        """Per (layer, channel) 16-bit CDF of symbol ids over tokens:
+        ``[NL, T, C]`` in, ``[NL, C, num_bins + 1]`` int16 out (KV compression)."""
         return _t().calculate_cdf(input_tensor, num_bins)
 
-    def alloc_pinned_ptr(self, size, device_id=0):
+    # Host allocators: page-aligned, zero-filled; pinned when the device runtime allows
+    # (falls back to unpinned with one warning). Each alloc_* returns an address that stays
+    # valid until the matching free_* (an unknown address is logged and ignored).
+    def alloc_pinned_ptr(self, size: int, device_id: int = 0) -> int:
+        """Allocate ``size`` bytes of (pinned when possible) host memory; the address."""
         return _t().alloc_pinned_ptr(size, device_id)
 
-    def free_pinned_ptr(self, ptr):
-        return _t().free_pinned_ptr(ptr)
+    def free_pinned_ptr(self, ptr: int) -> None:
+        """Free memory from ``alloc_pinned_ptr``."""
+        _t().free_pinned_ptr(ptr)
 
-    def alloc_pinned_numa_ptr(self, size, numa_id=0):
+    def alloc_pinned_numa_ptr(self, size: int, numa_id: int = 0) -> int:
+        """Like ``alloc_pinned_ptr``, preferring NUMA node ``numa_id``."""
         return _t().alloc_pinned_numa_ptr(size, numa_id)
 
-    def free_pinned_numa_ptr(self, ptr, size=None):
-        return _t().free_pinned_numa_ptr(ptr, size)
+    def free_pinned_numa_ptr(self, ptr: int, size: int | None = None) -> None:
+        """Free memory from ``alloc_pinned_numa_ptr``."""
+        _t().free_pinned_numa_ptr(ptr, size)
 
-    def alloc_numa_ptr(self, size, numa_id=0):
+    def alloc_numa_ptr(self, size: int, numa_id: int = 0) -> int:
+        """Alias of ``alloc_pinned_numa_ptr`` (0.5.6 name)."""
         return _t().alloc_numa_ptr(size, numa_id)
 
-    def free_numa_ptr(self, ptr, size=None):
-        return _t().free_numa_ptr(ptr, size)
+    def free_numa_ptr(self, ptr: int, size: int | None = None) -> None:
+        """Free memory from ``alloc_numa_ptr``."""
+        _t().free_numa_ptr(ptr, size)
 
-    def alloc_hugepage_pinned_ptr(self, size, device_id=0):
+    def alloc_hugepage_pinned_ptr(self, size: int, device_id: int = 0) -> int:
+        """Hugepage-backed pinned memory; the baseline warns and uses ``alloc_pinned_ptr``."""
         return _t().alloc_hugepage_pinned_ptr(size, device_id)
 
-    def free_hugepage_pinned_ptr(self, ptr, size=0):
-        return _t().free_hugepage_pinned_ptr(ptr, size)
+    def free_hugepage_pinned_ptr(self, ptr: int, size: int = 0) -> None:
+        """Free memory from ``alloc_hugepage_pinned_ptr``."""
+        _t().free_hugepage_pinned_ptr(ptr, size)
 
-    def alloc_hugepage_pinned_numa_ptr(self, size, numa_id=0):
+    def alloc_hugepage_pinned_numa_ptr(self, size: int, numa_id: int = 0) -> int:
+        """NUMA-local hugepage memory; the baseline warns and falls back."""
         return _t().alloc_hugepage_pinned_numa_ptr(size, numa_id)
 
-    def free_hugepage_pinned_numa_ptr(self, ptr, size=0):
-        return _t().free_hugepage_pinned_numa_ptr(ptr, size)
+    def free_hugepage_pinned_numa_ptr(self, ptr: int, size: int = 0) -> None:
+        """Free memory from ``alloc_hugepage_pinned_numa_ptr``."""
+        _t().free_hugepage_pinned_numa_ptr(ptr, size)
 
-    def alloc_shm_pinned_ptr(self, size, shm_name=""):
+    def alloc_shm_pinned_ptr(self, size: int, shm_name: str = "") -> int:
+        """POSIX shared memory named ``shm_name`` (a stale segment of that name is
+        replaced), pinned through the current device spec when possible."""
         return _t().alloc_shm_pinned_ptr(size, shm_name)
 
-    def free_shm_pinned_ptr(self, ptr, size=0, shm_name=""):
-        return _t().free_shm_pinned_ptr(ptr, size, shm_name)
+    def free_shm_pinned_ptr(self, ptr: int, size: int = 0, shm_name: str = "") -> None:
+        """Unpin, close and unlink memory from ``alloc_shm_pinned_ptr``."""
+        _t().free_shm_pinned_ptr(ptr, size, shm_name)
 
-    def batched_memcpy(self, src_ptrs, dst_ptrs, sizes):
-        return _t().batched_memcpy(src_ptrs, dst_ptrs, sizes)
+    def batched_memcpy(
+        self, src_ptrs: Sequence[int], dst_ptrs: Sequence[int], sizes: Sequence[int]
+    ) -> None:
+        """Host-to-host ``memmove`` of ``sizes[i]`` bytes for each pair (lists of equal
+        length, else ``ValueError``; non-positive sizes are skipped)."""
+        _t().batched_memcpy(src_ptrs, dst_ptrs, sizes)
 
-    def tensor_from_ptr(self, ptr, shape, dtype, device=None):
-        # No generic implementation: only the backend knows its address space.
+    def tensor_from_ptr(
+        self, ptr: int, shape: Sequence[int], dtype: torch.dtype, device: DeviceLike | None = None
+    ) -> Tensor:
+        """A tensor viewing memory at ``ptr`` in this backend's address space, without
+        copying or owning it: the caller keeps the memory alive while the tensor is used.
+        Only the backend knows its address space, so the base raises ``ValueError``."""
         raise ValueError(
             f"Device backend {self.device_type or type(self).__name__!r} does not support tensor construction from raw pointers."
         )
 
-    def record_completion_on_stream(self, cuda_stream_ptr, kind, payload):
-        return _t().record_completion_on_stream(cuda_stream_ptr, kind, payload)
+    # Stream-ordered recorders: publish a record once the work queued on the stream so far
+    # has finished (the baseline synchronizes first on an accelerator). Handle 0 = the
+    # current device's default stream. Draining is atomic: each record is returned once.
+    def record_completion_on_stream(self, cuda_stream_ptr: int, kind: Any, payload: bytes) -> None:
+        """Queue ``(kind, payload)`` for ``drain_recorded_completions``."""
+        _t().record_completion_on_stream(cuda_stream_ptr, kind, payload)
 
-    def drain_recorded_completions(self):
+    def drain_recorded_completions(self) -> list[tuple[Any, bytes]]:
+        """Return and clear every recorded ``(kind, payload)``, in record order."""
         return _t().drain_recorded_completions()
 
     def record_event_on_stream(
-        self, cuda_stream_ptr, event_type_name, session_id, str_metadata, int_metadata
-    ):
-        return _t().record_event_on_stream(
+        self,
+        cuda_stream_ptr: int,
+        event_type_name: str,
+        session_id: Any,
+        str_metadata: Any,
+        int_metadata: Any,
+    ) -> None:
+        """Queue a timestamped event record for ``drain_recorded_events``."""
+        _t().record_event_on_stream(
             cuda_stream_ptr, event_type_name, session_id, str_metadata, int_metadata
         )
 
-    def drain_recorded_events(self):
+    def drain_recorded_events(self) -> list[tuple[Any, Any, float, Any, Any]]:
+        """Return and clear every ``(type, session, timestamp, str_md, int_md)`` record."""
         return _t().drain_recorded_events()
 
-    # ---- LATER ops (the baseline raises; a native module may provide them) ------------
+    # ---- LATER ops: the baseline raises NotImplementedError naming the op; a native
+    # module bound by ensure_native() may provide them with the same signature. --------
     def multi_layer_kv_transfer_unilateral(
         self,
-        key_value,
-        key_value_ptrs,
-        slot_mapping,
-        paged_memory_device,
-        page_buffer_size,
-        direction,
-        engine_kv_format,
-    ):
-        return _t().multi_layer_kv_transfer_unilateral(
+        key_value: Tensor,
+        key_value_ptrs: PagedKVOperand,
+        slot_mapping: Tensor,
+        paged_memory_device: DeviceLike,
+        page_buffer_size: int,
+        direction: TransferDirection,
+        engine_kv_format: KVFormatLike,
+    ) -> None:
+        """One-direction variant of ``multi_layer_kv_transfer`` (native only)."""
+        _t().multi_layer_kv_transfer_unilateral(
             key_value,
             key_value_ptrs,
             slot_mapping,
@@ -274,14 +414,15 @@ class DeviceOps:
 
     def single_layer_kv_transfer(
         self,
-        lmc_key_value_cache,
-        vllm_key_value_cache,
-        slot_mapping,
-        direction,
-        engine_kv_format,
-        token_major=False,
-    ):
-        return _t().single_layer_kv_transfer(
+        lmc_key_value_cache: Tensor,
+        vllm_key_value_cache: Tensor,
+        slot_mapping: Tensor,
+        direction: TransferDirection,
+        engine_kv_format: KVFormatLike,
+        token_major: bool = False,
+    ) -> None:
+        """Per-layer copy for layerwise pipelines (native only)."""
+        _t().single_layer_kv_transfer(
             lmc_key_value_cache,
             vllm_key_value_cache,
             slot_mapping,
@@ -292,14 +433,15 @@ class DeviceOps:
 
     def single_layer_kv_transfer_sgl(
         self,
-        lmc_key_value_cache,
-        sgl_key_cache,
-        sgl_value_cache,
-        slot_mapping,
-        direction,
-        token_major=False,
-    ):
-        return _t().single_layer_kv_transfer_sgl(
+        lmc_key_value_cache: Tensor,
+        sgl_key_cache: Tensor,
+        sgl_value_cache: Tensor,
+        slot_mapping: Tensor,
+        direction: TransferDirection,
+        token_major: bool = False,
+    ) -> None:
+        """Per-layer copy against SGLang's separate K and V caches (native only)."""
+        _t().single_layer_kv_transfer_sgl(
             lmc_key_value_cache,
             sgl_key_cache,
             sgl_value_cache,
@@ -308,47 +450,84 @@ class DeviceOps:
             token_major,
         )
 
-    def load_and_reshape_flash(self, key_value, key_cache, value_cache, slot_mapping, layer_idx):
-        return _t().load_and_reshape_flash(
-            key_value, key_cache, value_cache, slot_mapping, layer_idx
-        )
+    def load_and_reshape_flash(
+        self,
+        key_value: Tensor,
+        key_cache: Tensor,
+        value_cache: Tensor,
+        slot_mapping: Tensor,
+        layer_idx: int,
+    ) -> None:
+        """Flash-attention layout load (native only)."""
+        _t().load_and_reshape_flash(key_value, key_cache, value_cache, slot_mapping, layer_idx)
 
     def reshape_and_cache_back_flash(
-        self, key_value, key_cache, value_cache, slot_mapping, layer_idx
-    ):
-        return _t().reshape_and_cache_back_flash(
+        self,
+        key_value: Tensor,
+        key_cache: Tensor,
+        value_cache: Tensor,
+        slot_mapping: Tensor,
+        layer_idx: int,
+    ) -> None:
+        """Flash-attention layout store (native only)."""
+        _t().reshape_and_cache_back_flash(
             key_value, key_cache, value_cache, slot_mapping, layer_idx
         )
 
-    def encode_fast_new(self, cdf, input_sym, output_buffer, output_lengths):
-        return _t().encode_fast_new(cdf, input_sym, output_buffer, output_lengths)
+    def encode_fast_new(
+        self, cdf: Tensor, input_sym: Tensor, output_buffer: Tensor, output_lengths: Tensor
+    ) -> None:
+        """Arithmetic-coding encoder for KV compression (native only)."""
+        _t().encode_fast_new(cdf, input_sym, output_buffer, output_lengths)
 
-    def decode_fast_new(self, cdf, bytestreams, lengths, output):
-        return _t().decode_fast_new(cdf, bytestreams, lengths, output)
+    def decode_fast_new(
+        self, cdf: Tensor, bytestreams: Tensor, lengths: Tensor, output: Tensor
+    ) -> None:
+        """Arithmetic-coding decoder (native only)."""
+        _t().decode_fast_new(cdf, bytestreams, lengths, output)
 
-    def decode_fast_prefsum(self, cdf, bytestreams, lengths_prefsum, output):
-        return _t().decode_fast_prefsum(cdf, bytestreams, lengths_prefsum, output)
+    def decode_fast_prefsum(
+        self, cdf: Tensor, bytestreams: Tensor, lengths_prefsum: Tensor, output: Tensor
+    ) -> None:
+        """Arithmetic-coding decoder over prefix-summed lengths (native only)."""
+        _t().decode_fast_prefsum(cdf, bytestreams, lengths_prefsum, output)
 
     def rotary_embedding_k_fused(
-        self, old_positions, new_positions, key, head_size, cos_sin_cache, is_neox
-    ):
-        return _t().rotary_embedding_k_fused(
+        self,
+        old_positions: Tensor,
+        new_positions: Tensor,
+        key: Tensor,
+        head_size: int,
+        cos_sin_cache: Tensor,
+        is_neox: bool,
+    ) -> None:
+        """Re-rotate cached keys to new positions (CacheBlend; native only)."""
+        _t().rotary_embedding_k_fused(
             old_positions, new_positions, key, head_size, cos_sin_cache, is_neox
         )
 
     def rotary_embedding_k_fused_strided(
-        self, old_positions, new_positions, key, head_size, head_stride, cos_sin_cache, is_neox
-    ):
-        return _t().rotary_embedding_k_fused_strided(
+        self,
+        old_positions: Tensor,
+        new_positions: Tensor,
+        key: Tensor,
+        head_size: int,
+        head_stride: int,
+        cos_sin_cache: Tensor,
+        is_neox: bool,
+    ) -> None:
+        """Strided variant of ``rotary_embedding_k_fused`` (native only)."""
+        _t().rotary_embedding_k_fused_strided(
             old_positions, new_positions, key, head_size, head_stride, cos_sin_cache, is_neox
         )
 
-    def get_gpu_pci_bus_id(self, device_id=0):
+    def get_gpu_pci_bus_id(self, device_id: int = 0) -> str | None:
+        """PCI bus id of device ``device_id`` (native only)."""
         return _t().get_gpu_pci_bus_id(device_id)
 
 
 def resolve_kv_transfer_operands(ops: Any) -> tuple[str, int | None]:
-    """Operand mode for ``multi_layer_block_kv_transfer`` (platform.md §3.5).
+    """Operand mode for ``multi_layer_block_kv_transfer``.
 
     Returns ``("tensor", None)`` (all objects in one call) or ``("pointer", n)`` (at most
     ``n`` objects per call). Order: the ops' ``kv_transfer_operands`` attribute; tensor
