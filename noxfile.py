@@ -376,7 +376,7 @@ def vllm(session: nox.Session) -> None:
     session.install(str(CORE))
     session.install("pytest>=8", "httpx>=0.24")
     args = session.posargs or [
-        "tests/vllm",
+        "tests/real_vllm",
         "tests/lmcache-core/integration/test_vllm_real_base.py",
     ]
     session.run("python", "-m", "pytest", "-q", *args, env={"LMCACHE_TRACK_USAGE": "false"})

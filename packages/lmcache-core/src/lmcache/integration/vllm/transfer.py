@@ -114,15 +114,19 @@ class WorkerTransfer:
             logger.warning("transfer failed: %s", exc)
         return False
 
-    def flush(self) -> None:
-        """Wait (bounded by mq_timeout) until every transfer submitted so far finished."""
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait (at most ``timeout``, default mq_timeout) until every transfer submitted so
+        far finished; False if some still run."""
+        timeout = self.adapter.config.mq_timeout if timeout is None else timeout
         if self._executor is None:
             self.ctx.flush_inflight_stores()
-            return
+            return True
         try:
-            self._executor.submit(lambda: None).result(self.adapter.config.mq_timeout)
+            self._executor.submit(lambda: None).result(timeout)
         except cf.TimeoutError:
-            logger.warning("in-flight stores still running after mq_timeout before a preemption")
+            logger.warning("in-flight stores still running after %.0f s", timeout)
+            return False
+        return True
 
     # -- restart -----------------------------------------------------------------------
     def reregister(self) -> None:
@@ -135,7 +139,11 @@ class WorkerTransfer:
         # Runs after the transfers in flight, on the thread that owns the SHM views.
         self._executor.submit(self._register).result(self.adapter.config.mq_timeout)
 
-    def close(self, timeout: float = 2.0) -> None:
+    def close(self, timeout: float = 2.0, flush_timeout: float = 0.0) -> None:
+        """Unregister and release; stores already submitted may first finish for up to
+        ``flush_timeout`` seconds (a short-lived engine then leaves its KV behind)."""
+        if flush_timeout > 0 and self.link.healthy:
+            self.flush(flush_timeout)
         with self._gen_lock:
             self._generation += 1
         if self._executor is not None:

@@ -39,6 +39,8 @@ logger = init_logger(__name__)
 
 # Bound on unregistration at shutdown: the server may be gone already.
 UNREGISTER_TIMEOUT_S = 2.0
+# At shutdown, stores already submitted get this long to finish (vLLM kills a worker later).
+SHUTDOWN_FLUSH_S = 5.0
 
 
 def new_instance_id() -> int:
@@ -356,7 +358,12 @@ class LMCacheMPWorkerAdapter:
         ctx, self.ctx = self.ctx, None
         if ctx is not None:
             try:
-                ctx.close(timeout=min(UNREGISTER_TIMEOUT_S, self.config.mq_timeout))
+                ctx.close(
+                    timeout=min(UNREGISTER_TIMEOUT_S, self.config.mq_timeout),
+                    # vLLM's offline API shuts down right after its last output: let the
+                    # stores of that last step land instead of dropping them
+                    flush_timeout=min(SHUTDOWN_FLUSH_S, self.config.mq_timeout),
+                )
             except Exception as exc:
                 logger.warning("unregistering instance %d failed: %s", self.instance_id, exc)
         self.link.close()
