@@ -1,5 +1,5 @@
 // ConnectorBase<ConnectionType>: the worker-pool framework every native connector builds on
-// (storage.md §7.3).
+// (docs/design/storage-engine.md#native-framework).
 //
 // A derived connector supplies create_connection() (called once per worker thread) and the
 // do_single_* operations; the base class owns the threads, tiles each batch across them,

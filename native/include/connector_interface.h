@@ -1,5 +1,5 @@
 // The abstract connector: what the pybind layer and NativeConnectorL2Adapter drive
-// (storage.md §7.1, §7.3).
+// (docs/design/storage-engine.md#native-contract, docs/design/storage-engine.md#native-framework).
 #pragma once
 
 #include <cstddef>

@@ -1,4 +1,5 @@
-// pybind11 glue for connectors built on ConnectorBase (storage.md §7.1, §7.3).
+// pybind11 glue for connectors built on ConnectorBase
+// (docs/design/storage-engine.md#native-contract, docs/design/storage-engine.md#native-framework).
 //
 //   py::class_<MyConnector>(m, "MyConnector")
 //       .def(py::init<std::string, int>(), py::arg("path"), py::arg("num_workers"))

@@ -1,4 +1,5 @@
-// Value types shared by the native connector framework (storage.md §7.3).
+// Value types shared by the native connector framework
+// (docs/design/storage-engine.md#native-framework).
 #pragma once
 
 #include <atomic>

@@ -269,7 +269,8 @@ for uid, (name, op, payloads) in enumerate(CASES):
 print(json.dumps(out))
 """
 
-# Replies where we differ from 0.5.6 on purpose (docs/compat.md, protocol.md sections 5.3, 10).
+# Replies where we differ from 0.5.6 on purpose (docs/compat.md, docs/design/protocol.md#op-rules,
+# docs/design/protocol.md#errors).
 EXPECTED_DIFFERENCES = {
     # 0.5.6 lists ["kv_event_stream"], ours the features built (docs/compat.md).
     "get_experimental",

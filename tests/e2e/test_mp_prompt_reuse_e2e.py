@@ -192,7 +192,8 @@ def engine_driven_server(lmcache_server_module):
 
 
 def test_tp2_on_a_fake_device_against_an_engine_driven_server(engine_driven_server):
-    """platform.md 9 item 30: workers on a fake accelerator, server with only engine_driven."""
+    """docs/design/platform.md#fake-devices: workers on a fake accelerator, server with only
+    engine_driven."""
     url = engine_driven_server.rpc_url
     model = f"e2e-fake-tp2-{next(_n)}"
     kw = {"mode": "engine_driven", "fake_device": "fakeacc"}

@@ -1,4 +1,4 @@
-"""lmcache-cuda (platform.md §8.1) and core's cuda_family with a fake-patched
+"""lmcache-cuda (docs/design/platform.md#device-cuda) and core's cuda_family with a fake-patched
 ``torch.cuda`` + ``torch.version.cuda``: discovery, flags, AUTO = lmcache_driven, the
 ``cuda`` wire descriptor, IPC policy, pinning, native binding and its fallback."""
 

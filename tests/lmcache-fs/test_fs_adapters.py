@@ -1,4 +1,5 @@
-"""Behaviour of the `fs` and `fs_native` adapters (storage.md §1.2-1.3, §8.1-8.2)."""
+"""Behaviour of the `fs` and `fs_native` adapters (docs/design/storage-formats.md#l2-names,
+docs/design/storage-engine.md#backend-fs)."""
 
 from __future__ import annotations
 

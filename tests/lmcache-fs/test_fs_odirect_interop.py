@@ -1,4 +1,5 @@
-"""fs_native with O_DIRECT reads files written without padding (storage.md §1.3).
+"""fs_native with O_DIRECT reads files written without padding
+(docs/design/storage-formats.md#value-bytes).
 
 Padded writes happen only on store; a reader accepts any file at least as long as the
 destination's logical size and uses its first len(buffer) bytes.

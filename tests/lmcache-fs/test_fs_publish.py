@@ -1,4 +1,5 @@
-"""The durable, race-free publish protocol of `fs` and `fs_native` (storage.md §8.1 IMPROVE):
+"""The durable, race-free publish protocol of `fs` and `fs_native` (IMPROVE,
+docs/design/storage-engine.md#backend-fs):
 unique temp names, fsync, no-replace publish, and no torn file after a crash."""
 
 from __future__ import annotations

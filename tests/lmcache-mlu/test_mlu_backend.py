@@ -1,4 +1,4 @@
-"""lmcache-mlu (platform.md §8.5, seed 002): identity, selection, capabilities, the
+"""lmcache-mlu (docs/design/platform.md#device-mlu): identity, selection, capabilities, the
 refused entry points and the transfer matrix of #1/#6/#3 on CPU through a fake
 ``torch.mlu``. MLU hardware cases skip without a runtime (that is not hardware validation).
 """
@@ -276,7 +276,8 @@ def _empty_chunks(fmt, n, fill=0.0):
 
 
 def _canonical(fmt, layers, block_ids, n_objs, skip, fill):
-    """Expected host chunks, written from the §1.4 definition (token-major rows)."""
+    """Expected host chunks, written from the token-major host-chunk definition
+    (docs/design/storage-formats.md#host-chunk)."""
     out = _empty_chunks(fmt, n_objs, fill)
     bpo = T // BS
     for p, bid in enumerate(block_ids):

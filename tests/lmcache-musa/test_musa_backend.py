@@ -1,6 +1,6 @@
-"""lmcache-musa (platform.md §8.4) through a fake ``torch.musa`` / ``torch_musa`` /
-``musa_aiter``: identity, selection, the exact ops override set, musa_aiter dispatch with
-torch fallback, pointer-mode memcpy on CPU memory, recorders and pinning."""
+"""lmcache-musa (docs/design/platform.md#device-musa) through a fake ``torch.musa`` /
+``torch_musa`` / ``musa_aiter``: identity, selection, the exact ops override set, musa_aiter
+dispatch with torch fallback, pointer-mode memcpy on CPU memory, recorders and pinning."""
 
 from __future__ import annotations
 

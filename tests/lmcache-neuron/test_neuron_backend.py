@@ -1,5 +1,6 @@
-"""lmcache-neuron (platform.md §8.6): fake ``torch_neuronx`` that installs ``torch.neuron``;
-the XLA-era package without it is unavailable; pure baseline ops, engine-driven only."""
+"""lmcache-neuron (docs/design/platform.md#device-neuron): fake ``torch_neuronx`` that installs
+``torch.neuron``; the XLA-era package without it is unavailable; pure baseline ops, engine-driven
+only."""
 
 from __future__ import annotations
 

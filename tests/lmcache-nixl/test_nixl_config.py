@@ -1,4 +1,5 @@
-"""Registration and config parsing of ``nixl_store`` and ``nixl_native`` (storage.md §0.2, §8.5):
+"""Registration and config parsing of ``nixl_store`` and ``nixl_native``
+(docs/design/storage-engine.md#l2-packaging, docs/design/storage-engine.md#backend-nixl):
 0.5.6 field names, defaults and error texts. None of this needs NIXL itself."""
 
 from __future__ import annotations

@@ -1,6 +1,8 @@
-"""``nixl_native`` against real NIXL (storage.md §7, §8.5): FILE storage (POSIX) writes the §1.2
-file names and raw bytes, published like ``fs`` (interchangeable with it); OBJ storage (moto)
-writes one object per native key string and refuses eviction, having no delete."""
+"""``nixl_native`` against real NIXL (docs/design/storage-engine.md#native-connectors,
+docs/design/storage-engine.md#backend-nixl): FILE storage (POSIX) writes the file names of
+docs/design/storage-formats.md#l2-names and raw bytes, published like ``fs`` (interchangeable with
+it); OBJ storage (moto) writes one object per native key string and refuses eviction, having no
+delete."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
-"""``nixl_store`` against real NIXL (storage.md §8.5, §9): POSIX slot files on a temp directory
-and OBJ against a moto S3 server. Round trip, pins that survive delete, buffers outside the
-arena or misaligned that fail cleanly, slots freed by failures, capacity for eviction."""
+"""``nixl_store`` against real NIXL (docs/design/storage-engine.md#backend-nixl,
+docs/design/storage-engine.md#backends): POSIX slot files on a temp directory and OBJ against a moto
+S3 server. Round trip, pins that survive delete, buffers outside the arena or misaligned that fail
+cleanly, slots freed by failures, capacity for eviction."""
 
 from __future__ import annotations
 

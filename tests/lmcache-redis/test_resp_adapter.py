@@ -1,4 +1,5 @@
-"""The `resp` / `redis` adapter against a real redis-server (storage.md §8.3)."""
+"""The `resp` / `redis` adapter against a real redis-server
+(docs/design/storage-engine.md#backend-resp)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""lmcache-rocm (platform.md §8.2): CUDA vs ROCm choice with both wheels installed, the
-ROCm overrides over core's cuda_family, and a compile-only hipcc check."""
+"""lmcache-rocm (docs/design/platform.md#device-rocm): CUDA vs ROCm choice with both wheels
+installed, the ROCm overrides over core's cuda_family, and a compile-only hipcc check."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """The s3 adapter against a real S3 server (moto, path style): put/head/get/delete, object
-names, listing, bounds-checked loads, locks and accounting (storage.md §8.4, §9)."""
+names, listing, bounds-checked loads, locks and accounting
+(docs/design/storage-engine.md#backend-s3, docs/design/storage-engine.md#backends)."""
 
 from __future__ import annotations
 

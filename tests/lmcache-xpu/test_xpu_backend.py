@@ -1,5 +1,5 @@
-"""lmcache-xpu (platform.md §8.3) with a patched ``torch.xpu``: engine-driven only, the
-optional SYCL module bound when importable, baseline tensor mode otherwise."""
+"""lmcache-xpu (docs/design/platform.md#device-xpu) with a patched ``torch.xpu``: engine-driven
+only, the optional SYCL module bound when importable, baseline tensor mode otherwise."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Behaviour of the example plugin, as in the L2 plugin guide (seed 004)."""
+"""Behaviour of the example plugin, as in the L2 plugin guide (docs/l2-plugins.md)."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@
 // The engine's paged KV cache is described by planes: plane (layer, kv) has a base
 // address, and element (block, token-in-block, head, d) of it lives at
 //   base + block * s_block + token * s_tok + head * s_head + d * elem   (bytes).
-// The LMCache host chunk is token-major (spec platform.md §1.4):
+// The LMCache host chunk is token-major (docs/design/storage-formats.md#host-chunk):
 //   kv_size == 2: [2, NL, T, NH*HS]      kv_size == 1: [NL, T, NH*HS]
 #pragma once
 
@@ -18,7 +18,7 @@
 
 namespace lmc {
 
-// Values fixed by the spec (EngineKVFormat, platform.md §1.5).
+// Values fixed by the spec (EngineKVFormat, docs/design/platform.md#kv-formats).
 enum EngineKVFormat : int {
   NB_NL_TWO_BS_NH_HS = 0,
   NL_X_TWO_NB_BS_NH_HS = 1,

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# GPU checks for lmcache-cuda (platform.md §9 item 29). Needs one CUDA GPU, a CUDA build of
-# torch, nvcc, cmake, Python headers, pybind11 and msgspec (pip packages, or the repo
+# GPU checks for lmcache-cuda (docs/design/platform.md#device-cuda). Needs one CUDA GPU, a CUDA
+# build of torch, nvcc, cmake, Python headers, pybind11 and msgspec (pip packages, or the repo
 # .venv's copies carried to the machine: .venv/lib/python3.*/site-packages/{pybind11,msgspec}).
 # Finishes in well under 5 minutes:
 #   1. CMake + nvcc build of lmcache.devices.cuda._C (one arch, CUDAARCHS, default 90) and

@@ -1,6 +1,6 @@
 // fs_native: one file per key under base_path, written through an unnamed O_TMPFILE inode
 // (or, where the filesystem lacks O_TMPFILE, a uniquely named temp file) and published
-// without ever replacing an existing file (storage.md §8.1-8.2).
+// without ever replacing an existing file (docs/design/storage-engine.md#backend-fs).
 //
 // O_TMPFILE halves the directory operations per key (no temp name to create and unlink),
 // which is most of the cost of a store on ext4, and a writer killed before publishing leaves

@@ -1,4 +1,5 @@
-// resp: a pipelined RESP2 (Redis protocol) connector on ConnectorBase (storage.md §8.3).
+// resp: a pipelined RESP2 (Redis protocol) connector on ConnectorBase
+// (docs/design/storage-engine.md#backend-resp).
 //
 // Key = the native key string verbatim, value = the raw bytes; SET/GET/EXISTS/DEL, no TTL,
 // no prefix. Each worker holds one TCP connection and pipelines up to pipeline_depth

@@ -1,4 +1,5 @@
-"""The example plugin package end to end: seed steps, StorageManager, native_plugin."""
+"""The example plugin package end to end: the steps of docs/l2-plugins.md, StorageManager,
+native_plugin."""
 
 from __future__ import annotations
 
@@ -115,7 +116,8 @@ def test_native_style_connector_through_native_plugin():
 
 
 def test_bridge_sends_native_key_strings_to_the_connector():
-    """The connector sees §1.2 strings; built through the bridge's public constructor."""
+    """The connector sees L2 name strings (docs/design/storage-formats.md#l2-names); built through
+    the bridge's public constructor."""
     client = PyMemoryConnector(num_workers=2)
     bridge = NativeConnectorL2Adapter(client, max_capacity_gb=0.01)
     try:

@@ -1,4 +1,5 @@
-"""The example external native connector, loaded through `native_plugin` as the seed shows."""
+"""The example external native connector, loaded through `native_plugin` as docs/l2-plugins.md
+shows."""
 
 from __future__ import annotations
 

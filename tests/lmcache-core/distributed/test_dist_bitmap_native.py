@@ -1,4 +1,5 @@
-"""Bitmap, TTLLock, PeriodicEventNotifier and fold/unfold (§1.5)."""
+"""Bitmap, TTLLock, PeriodicEventNotifier and fold/unfold
+(docs/design/storage-engine.md#data-model)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Storage flags of ``lmcache server`` and the config dataclasses (§2.1, §4.4)."""
+"""Storage flags of ``lmcache server`` and the config dataclasses
+(docs/design/storage-engine.md#l1-memory, docs/design/storage-engine.md#prefetch-controller)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""ObjectKey, kv_rank helpers, EncodedObjectKey, L2StoreResult, AdapterUsage, layouts (§1)."""
+"""ObjectKey, kv_rank helpers, EncodedObjectKey, L2StoreResult, AdapterUsage, layouts
+(docs/design/storage-engine.md#data-model)."""
 
 from __future__ import annotations
 

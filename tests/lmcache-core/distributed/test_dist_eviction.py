@@ -1,4 +1,4 @@
-"""Eviction policies and controllers (§3)."""
+"""Eviction policies and controllers (docs/design/storage-engine.md#eviction)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Byte-exact L2 object names (§1.2)."""
+"""Byte-exact L2 object names (docs/design/storage-formats.md#l2-names)."""
 
 from __future__ import annotations
 

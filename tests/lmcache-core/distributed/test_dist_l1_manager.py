@@ -1,4 +1,5 @@
-"""L1 manager states, codes, TTLs and transfer pins (§2.3-2.5, demand eviction §3.5)."""
+"""L1 manager states, codes, TTLs and transfer pins (docs/design/storage-engine.md#l1-manager,
+demand eviction docs/design/storage-engine.md#eviction-fixes)."""
 
 from __future__ import annotations
 
@@ -369,8 +370,9 @@ def test_concurrent_writers_and_readers_keep_invariants():
 
 
 def test_lazy_l1_commits_next_region_before_demand_eviction():
-    """§3.5: a lazy L1 whose committed prefix is full commits the next region instead of
-    evicting resident keys (the background grower is off, so only the write path grows it)."""
+    """docs/design/storage-engine.md#eviction-fixes: a lazy L1 whose committed prefix is full
+    commits the next region instead of evicting resident keys (the background grower is off, so only
+    the write path grows it)."""
     from lmcache.v1.distributed.l1_memory import L1Allocator
 
     alloc = L1Allocator(

@@ -1,4 +1,5 @@
-"""Allocator and arenas (§2.2): first fit, coalescing, batches, lazy growth, SHM pools."""
+"""Allocator and arenas (docs/design/storage-engine.md#l1-memory): first fit, coalescing, batches,
+lazy growth, SHM pools."""
 
 from __future__ import annotations
 
@@ -208,7 +209,7 @@ def test_hugepages_force_lazy_off_and_fall_back():
 
 def test_pool_larger_than_available_memory_starts_with_a_warning(caplog):
     """A lazy L1 bigger than the memory available reserves address space only and warns
-    (protocol §13.1)."""
+    (docs/design/protocol.md#defaults-shm)."""
     import logging
 
     from lmcache.v1.distributed.l1_memory import L1Allocator, _available_memory_bytes

@@ -1,4 +1,5 @@
-"""--l2-adapter parsing, registry functions, plugin and native_plugin loading (§6)."""
+"""--l2-adapter parsing, registry functions, plugin and native_plugin loading
+(docs/design/storage-engine.md#l2-config)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""§5.2 protected notifiers of L2AdapterInterface: length checks and byte accounting."""
+"""Protected notifiers of L2AdapterInterface (docs/design/storage-engine.md#l2-contract): length
+checks and byte accounting."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""MemoryObj variants (§1.4)."""
+"""MemoryObj variants (docs/design/storage-formats.md#memory-object)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The test-only L2 types: mock (§8.6) and fault_inject (§8.7)."""
+"""The test-only L2 types: mock (docs/design/storage-engine.md#backend-mock) and fault_inject
+(docs/design/storage-engine.md#backend-fault-inject)."""
 
 from __future__ import annotations
 

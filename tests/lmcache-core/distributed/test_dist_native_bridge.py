@@ -1,4 +1,5 @@
-"""NativeConnectorL2Adapter with a pure-Python connector (§7.1, §7.2)."""
+"""NativeConnectorL2Adapter with a pure-Python connector
+(docs/design/storage-engine.md#native-contract, docs/design/storage-engine.md#native-bridge)."""
 
 from __future__ import annotations
 
@@ -367,8 +368,9 @@ def test_concurrent_submitters(bridge):
 
 
 def test_padding_applies_to_stores_only_short_value_loads():
-    """§1.3: a value written without padding (shorter than the slot) is a hit for a padding
-    bridge, which reads with the logical size; stores still send the full slot."""
+    """docs/design/storage-formats.md#value-bytes: a value written without padding (shorter than the
+    slot) is a hit for a padding bridge, which reads with the logical size; stores still send the
+    full slot."""
     c = FakeConnector()
     a = NativeConnectorL2Adapter(c, max_capacity_gb=1.0, pad_buffers_to_alignment=True)
     try:

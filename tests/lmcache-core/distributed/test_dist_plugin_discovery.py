@@ -1,4 +1,5 @@
-"""Pluggy discovery of the ``lmcache.l2_adapters`` entry-point group (§0.2)."""
+"""Pluggy discovery of the ``lmcache.l2_adapters`` entry-point group
+(docs/design/storage-engine.md#l2-packaging)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""SerdeL2AdapterWrapper (§5.4) and the L2 serde registry, with real threads, a real mock
-adapter and real L1 memory."""
+"""SerdeL2AdapterWrapper (docs/design/storage-engine.md#l2-wrappers) and the L2 serde registry, with
+real threads, a real mock adapter and real L1 memory."""
 
 from __future__ import annotations
 

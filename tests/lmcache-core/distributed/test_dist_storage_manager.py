@@ -1,4 +1,5 @@
-"""StorageManager with its store and prefetch controllers (§4), using real L1 memory."""
+"""StorageManager with its store and prefetch controllers
+(docs/design/storage-engine.md#storage-manager), using real L1 memory."""
 
 from __future__ import annotations
 
@@ -748,8 +749,9 @@ def _fill_l2(a: ScriptedAdapter, keys) -> None:
 
 
 def test_l1_without_room_for_all_staging_replans_to_a_shorter_prefix():
-    """§4.4 step 4: L1 holds 2 of 5 cells; the plan shrinks to a prefix of 2, the L2 locks of
-    the cells that could not be reserved are dropped and no staging is left behind."""
+    """Step 4 of docs/design/storage-engine.md#prefetch-controller: L1 holds 2 of 5 cells; the plan
+    shrinks to a prefix of 2, the L2 locks of the cells that could not be reserved are dropped and
+    no staging is left behind."""
     with scripted_sm(slots=2) as (sm, a):
         keys = [key(i) for i in range(5)]
         _fill_l2(a, keys)
@@ -806,8 +808,9 @@ def make_two_l1_sm(adapters=(), slots0: int = 2, slots1: int = 8) -> StorageMana
 
 
 def test_multi_l1_oom_falls_through_and_finish_by_owner():
-    """§2.2/§4.1: keys that do not fit the first L1 go to the next; completion is grouped by
-    the L1 that reserved each key."""
+    """docs/design/storage-engine.md#l1-memory, docs/design/storage-engine.md#storage-manager: keys
+    that do not fit the first L1 go to the next; completion is grouped by the L1 that reserved each
+    key."""
     sm = make_two_l1_sm()
     try:
         keys = [key(i) for i in range(5)]

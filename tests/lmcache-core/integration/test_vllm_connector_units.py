@@ -288,7 +288,8 @@ def test_kv_layout_from_vllm_cache_config(layout, expected):
     [(None, "HND"), ("", "HND"), ("NHD", "NHD"), ("HND", "HND"), ("LBNHC", "NHD")],
 )
 def test_mlu_legacy_layout_query_is_normalised_to_hnd(layout, expected):
-    """platform.md §8.5: no layout from vLLM on mlu means HND; explicit layouts are kept."""
+    """docs/design/platform.md#device-mlu: no layout from vLLM on mlu means HND; explicit layouts
+    are kept."""
     from lmc_vllm_harness import make_vllm_config
 
     from lmcache.integration.vllm.lmcache_mp_connector import _vllm_kv_layout

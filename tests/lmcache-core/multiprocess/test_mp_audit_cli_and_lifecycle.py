@@ -1,5 +1,5 @@
-"""`lmcache server` CLI help and validation (protocol.md 13), clean stop on signals, and the
-client's handling of a timed-out request."""
+"""`lmcache server` CLI help and validation (docs/design/protocol.md#defaults-shm), clean stop on
+signals, and the client's handling of a timed-out request."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def _help_blocks(text: str) -> dict[str, str]:
     return {f: " ".join(" ".join(b).split()) for f, b in blocks.items()}
 
 
-# protocol.md 13: every flag with the default `--help` must show for it.
+# docs/design/protocol.md#defaults-shm: every flag with the default `--help` must show for it.
 SECTION_13_DEFAULTS = {
     "--host": "localhost",
     "--port": "5555",

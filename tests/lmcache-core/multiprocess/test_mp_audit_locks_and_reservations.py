@@ -1,5 +1,6 @@
-"""Lock shares and SHM reservations as /status counts them (protocol.md 15 items 21 and 23,
-9.2, 6): free_lookup_locks, session expiry, end_session, unregister and write-TTL expiry."""
+"""Lock shares and SHM reservations as /status counts them (docs/design/protocol.md#operations,
+docs/design/protocol.md#liveness, docs/design/protocol.md#sessions): free_lookup_locks, session
+expiry, end_session, unregister and write-TTL expiry."""
 
 from __future__ import annotations
 

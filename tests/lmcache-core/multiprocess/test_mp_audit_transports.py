@@ -1,5 +1,6 @@
-"""platform.md 9 item 23: a worker that cannot map the SHM pool and does not negotiate
-(0.5.6-style pairing) falls back to the pickle copy path, says so, and still round-trips."""
+"""docs/design/platform.md#fake-devices: a worker that cannot map the SHM pool and does not
+negotiate (0.5.6-style pairing) falls back to the pickle copy path, says so, and still
+round-trips."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""connector.md 2.3: the names vLLM's in-tree connector imports from custom_types."""
+"""docs/design/architecture.md#vllm-imports: the names vLLM's in-tree connector imports from
+custom_types."""
 
 import subprocess
 import sys

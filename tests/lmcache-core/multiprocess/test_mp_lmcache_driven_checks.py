@@ -1,6 +1,6 @@
-"""platform.md §6.3 checks 3 and 4 (§9 items 3 and 21): event IPC at the worker's register,
-and the server's cache context + event re-check at REGISTER, against an in-process server on
-real sockets (the in-process server sees this process's test device specs and overrides)."""
+"""Checks 3 and 4 of docs/design/platform.md#lmcache-driven-checks: event IPC at the worker's
+register, and the server's cache context + event re-check at REGISTER, against an in-process server
+on real sockets (the in-process server sees this process's test device specs and overrides)."""
 
 from __future__ import annotations
 

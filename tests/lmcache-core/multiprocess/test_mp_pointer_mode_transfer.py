@@ -1,5 +1,5 @@
-"""platform.md 3.5 / 6.5: the copy path resolves the operand mode and, for pointer-mode
-backends, passes raw pointers in batches of at most ``max_objects_per_call`` chunks.
+"""docs/design/platform.md#operand-mode: the copy path resolves the operand mode and, for
+pointer-mode backends, passes raw pointers in batches of at most ``max_objects_per_call`` chunks.
 
 The accelerator is faked (a pointer-mode DeviceOps over CPU memory); the copies it does
 are real: it maps the pointers back to the tensors and runs the torch baseline.

@@ -1,4 +1,5 @@
-"""protocol.md 15 conformance checklist against a real `lmcache server` over real sockets."""
+"""Conformance of every operation (docs/design/protocol.md#operations) against a real `lmcache
+server` over real sockets."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The loop thread runs an engine-driven bookkeeping op (prepare/commit on the SHM path)
 itself only when its peer's affinity slot has nothing queued, so a peer's ops still run in
-the order it sent them (protocol.md 1.2: AFFINITY ops are FIFO per slot); a request's
-teardown (free_lookup_locks, end_session) runs there too, so a busy normal pool does not
+the order it sent them (docs/design/protocol.md#server-threads: AFFINITY ops are FIFO per slot); a
+request's teardown (free_lookup_locks, end_session) runs there too, so a busy normal pool does not
 hold it up. A real server loop over real sockets, with a recording engine in place of the
 cache engine."""
 

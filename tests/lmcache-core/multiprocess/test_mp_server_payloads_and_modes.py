@@ -1,4 +1,4 @@
-"""platform.md 9 items 22, 23, 30 against a real server, and a client killed mid SHM store."""
+"""docs/design/platform.md#fake-devices against a real server, and a client killed mid SHM store."""
 
 from __future__ import annotations
 

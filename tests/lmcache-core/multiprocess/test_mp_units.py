@@ -1,4 +1,5 @@
-"""Unit checks of the MP protocol pieces: hashing, kv_rank, fan-out, payload codec (protocol.md 15.1-3, 8.4)."""
+"""Unit checks of the MP protocol pieces: hashing, kv_rank, fan-out, payload codec
+(docs/design/protocol.md#operations, docs/design/protocol.md#payload-encodings)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """multi_layer_block_kv_transfer: every format x direction x operand form x skip x partial chunk,
-against an independent reference of the canonical host chunk (platform.md §1.4, §4.3)."""
+against an independent reference of the canonical host chunk
+(docs/design/storage-formats.md#host-chunk, docs/design/platform.md#block-transfer)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,8 @@
-"""Cache-context factory and CPUCacheContext (§7.5), kv_wrap (§7.4), transfer modes (§6),
-IPC policy (§7.7), stream helpers (§7.8) and the fake-device helper (§8.0)."""
+"""Cache-context factory and CPUCacheContext (docs/design/platform.md#cache-context), kv_wrap
+(docs/design/platform.md#kv-wrap), transfer modes (docs/design/platform.md#transfer-modes), IPC
+policy (docs/design/platform.md#ipc-policy), stream helpers
+(docs/design/platform.md#event-notifiers) and the fake-device helper
+(docs/design/platform.md#device-wheels)."""
 
 from __future__ import annotations
 

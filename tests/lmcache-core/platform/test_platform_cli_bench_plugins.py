@@ -38,7 +38,8 @@ def test_plugins_json_lists_backends_and_degrades_without_l2(monkeypatch, capsys
     assert names[0] == "cpu"
     cpu = report["device_backends"][0]
     assert cpu["source"] == "built-in" and cpu["selected"] is True
-    # CpuDeviceSpec.is_available() is False (§5.6): reported as is, the fallback role apart
+    # CpuDeviceSpec.is_available() is False (docs/design/platform.md#cpu-device): reported as is,
+    # the fallback role apart
     assert cpu["available"] is False and cpu["fallback"] is True
     assert all(b["fallback"] is False for b in report["device_backends"][1:])
     assert report["selected_device"]["backend"] == "cpu"

@@ -42,7 +42,7 @@ class DeclaredSpec(DeviceSpec):
 
 
 class OldStyleSpec(DeviceSpec):
-    """What a 0.5.6 / seed-guide plugin looks like: everything overridden."""
+    """What a 0.5.6 / first-generation plugin looks like: everything overridden."""
 
     @property
     def device_type(self) -> str:

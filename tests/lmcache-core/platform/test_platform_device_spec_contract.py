@@ -144,7 +144,8 @@ def test_bridge_row_neither_gate_follows_wrapper_and_seed_mode_rule():
     spec = NeitherWithWrapper()
     assert spec.is_lmcache_driven_available() is True
     assert spec.is_handle_transfer_available() is True
-    # seed rule: cuda + gate -> lmcache_driven
+    # first-generation rule (docs/design/platform.md#capability-flags): cuda + gate ->
+    # lmcache_driven
     assert spec.default_mp_transfer_mode() == MPTransferMode.LMCACHE_DRIVEN
 
 
@@ -160,7 +161,8 @@ def test_bridge_row_seed_era_override_is_the_gate():
     assert SeedEraFalse().default_mp_transfer_mode() == MPTransferMode.ENGINE_DRIVEN
     spec = SeedEraTrueNoWrapper()
     assert spec.is_lmcache_driven_available() is True
-    # seed rule: not cuda -> engine_driven even with the gate open
+    # first-generation rule (docs/design/platform.md#capability-flags): not cuda -> engine_driven
+    # even with the gate open
     assert spec.default_mp_transfer_mode() == MPTransferMode.ENGINE_DRIVEN
 
 

@@ -1,4 +1,5 @@
-"""Event IPC backends and lookups (§7.1-7.2); IPC wrappers and the wire tag registry (§7.3)."""
+"""Event IPC backends and lookups (docs/design/platform.md#event-ipc); IPC wrappers and the wire tag
+registry (docs/design/platform.md#ipc-wire)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Registry, entry-point loading rules, detection order, env vars and lookups (§5)."""
+"""Registry, entry-point loading rules, detection order, env vars and lookups
+(docs/design/platform.md#discovery)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """StubCPUDevice / StubEvent / StubStream: the torch-module stand-in of CPU-only processes
-(platform.md §5.6). Code written against ``torch.cuda`` calls these on ``lmcache.torch_dev``
-without special cases, so each call must answer like a device module with nothing pending."""
+(docs/design/platform.md#cpu-device). Code written against ``torch.cuda`` calls these on
+``lmcache.torch_dev`` without special cases, so each call must answer like a device module with
+nothing pending."""
 
 from __future__ import annotations
 

@@ -28,7 +28,7 @@ struct Shape {
 };
 
 // Element index of (layer, kv, block, tok, head, d) in the engine tensors, as the
-// spec's shapes (platform.md §1.5) define them. Returns {tensor index, offset}.
+// spec's shapes (docs/design/platform.md#kv-formats) define them. Returns {tensor index, offset}.
 static std::pair<int64_t, int64_t> engine_index(int fmt, const Shape& s, int layer, int kv,
                                                 int64_t b, int64_t t, int64_t h, int64_t d) {
   const int64_t NB = s.nb, BS = s.bs, NH = s.nh, HS = s.hs, NL = s.nl;

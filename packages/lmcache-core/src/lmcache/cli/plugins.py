@@ -83,8 +83,8 @@ def collect() -> dict[str, Any]:
                 if src and src.kind != "test"
                 else None,
                 "version": src.version if src and src.version else None,
-                # The spec's own answer (cpu: False, platform.md §5.6); the CPU backend is
-                # the fallback used when nothing else is available, reported separately.
+                # The spec's own answer (cpu: False, docs/design/platform.md#cpu-device); the CPU
+                # backend is the fallback used when nothing else is available, reported separately.
                 "available": registry.is_available(spec),
                 "fallback": name == "cpu",
                 "selected": name == selected.get("backend"),

@@ -2,7 +2,8 @@
 
 With no flags it starts a 4 GiB lazy L1 with LRU eviction, transfer mode ``auto``, RPC on
 ``localhost:5555`` and HTTP on ``127.0.0.1:8080``. Flag names and meanings follow
-LMCache 0.5.6 (spec/protocol.md 13). SIGINT/SIGTERM stop it cleanly and unlink its SHM.
+LMCache 0.5.6 (docs/design/protocol.md#defaults-shm). SIGINT/SIGTERM stop it cleanly and unlink its
+SHM.
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ Every command line 0.5.6's own ``lmcache server --help`` allows parses here. A f
 one of four fates, and ``validate_args`` applies them:
 
 * **provided**: it means what it means in 0.5.6 (the storage and RPC flags, the GC
-  monitor, extra logging, ...), with our defaults where spec/protocol.md 13 changes them.
+  monitor, extra logging, ...), with our defaults where docs/design/protocol.md#defaults-shm changes
+  them.
 * **not provided** (``NOT_PROVIDED``): a feature this version lacks. Its off value (0.5.6's
   default, also when passed explicitly) is accepted; any other value stops start-up with
   ``option --X is not supported by this version of lmcache server: <why>`` (exit 2).

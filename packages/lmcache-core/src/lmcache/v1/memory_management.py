@@ -1,4 +1,5 @@
-"""Memory objects: the unit of KV data that moves between L1 and L2 (spec storage.md §1.4).
+"""Memory objects: the unit of KV data that moves between L1 and L2
+(docs/design/storage-formats.md#memory-object).
 
 A ``MemoryObj`` is a view over bytes that some allocator owns (usually a slice of the L1
 arena). Adapters read it through ``byte_array`` (a writable, zero-copy memoryview of the

@@ -80,7 +80,8 @@ def _vllm_kv_layout(vllm_config: Any, device_type: str = "") -> str:
     Older vLLM names it directly; vLLM 0.33 names a stride permutation whose last three
     letters are the in-block order (``...NHC`` = tokens before heads, ``...HNC`` = heads first).
     A legacy vLLM that reports no layout on ``mlu`` gets "HND": Cambricon's V1 FlashAttention
-    allocates heads first (platform.md §8.5); a layout vLLM resolved explicitly is kept.
+    allocates heads first (docs/design/platform.md#device-mlu); a layout vLLM resolved explicitly is
+    kept.
     """
     raw = getattr(getattr(vllm_config, "cache_config", None), "kv_cache_layout", None) or ""
     name = str(getattr(raw, "name", raw)).upper()

@@ -49,7 +49,8 @@ def _lookup_one_arg(adapter: Any) -> bool:
 
 
 def submit_lookup(adapter: Any, keys: list[Any], layouts: dict[int, Any] | None) -> int:
-    """Call a lookup, one-argument for legacy plugins (IMPROVE §5.5b)."""
+    """Call a lookup, one-argument for legacy plugins (IMPROVE,
+    docs/design/storage-engine.md#legacy-plugins)."""
     if _lookup_one_arg(adapter):
         return adapter.submit_lookup_and_lock_task(keys)
     return adapter.submit_lookup_and_lock_task(keys, layouts)

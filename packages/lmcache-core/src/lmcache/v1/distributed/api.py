@@ -1,4 +1,5 @@
-"""Public data model of the storage layer (spec storage.md §1.1, §1.6, §1.7).
+"""Public data model of the storage layer (docs/design/storage-formats.md#object-key,
+docs/design/storage-engine.md#data-model).
 
 Plugins import these names from here: ``ObjectKey``, ``EncodedObjectKey``,
 ``MemoryLayoutDesc``, ``KeyEntry``, ``KeyListPage``, ``GroupedObjectKeys``,

@@ -1,4 +1,5 @@
-"""Storage configuration: dataclasses and the ``lmcache server`` storage flags (spec §2.1, §4.4).
+"""Storage configuration: dataclasses and the ``lmcache server`` storage flags
+(docs/design/storage-engine.md#l1-memory, docs/design/storage-engine.md#prefetch-controller).
 
 Dataclasses: ``EvictionConfig``, ``L1MemoryManagerConfig``, ``L1ManagerConfig``,
 ``StorageManagerConfig``.

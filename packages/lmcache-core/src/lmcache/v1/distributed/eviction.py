@@ -1,10 +1,11 @@
-"""Eviction policies, the L1 and L2 eviction controllers and the quota manager (spec §3).
+"""Eviction policies, the L1 and L2 eviction controllers and the quota manager
+(docs/design/storage-engine.md#eviction).
 
 Policies only order keys; controllers decide how much to free. Amounts are in bytes
-(IMPROVE §3.5): keys are taken in policy order until ``ratio x used bytes`` are freed (at
-least one key). Every controller cycle runs under a try/except; errors are logged at most
-once per 60 s per message and counted, three failing cycles in a row mark the controller
-unhealthy, and ``ensure_running()`` restarts a dead thread.
+(IMPROVE, docs/design/storage-engine.md#eviction-fixes): keys are taken in policy order until
+``ratio x used bytes`` are freed (at least one key). Every controller cycle runs under a try/except;
+errors are logged at most once per 60 s per message and counted, three failing cycles in a row mark
+the controller unhealthy, and ``ensure_running()`` restarts a dead thread.
 """
 
 from __future__ import annotations

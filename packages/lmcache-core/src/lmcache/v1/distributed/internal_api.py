@@ -1,4 +1,5 @@
-"""Internal contracts between L1, controllers and adapters (spec storage.md §1.6, §1.7, §2.4).
+"""Internal contracts between L1, controllers and adapters
+(docs/design/storage-engine.md#data-model, docs/design/storage-engine.md#l1-manager).
 
 Import surface: ``L2StoreResult``, ``L1MemoryDesc``, ``L2AdapterListener``,
 ``L1ManagerListener``, ``L1ManagerInterface`` (plus ``L1Error``).
@@ -59,7 +60,8 @@ class L2StoreResult(int):
 
     @classmethod
     def normalise(cls, value: Any, objects: Sequence[Any] = ()) -> tuple[L2StoreResult, bool]:
-        """Accept legacy store results (spec §4.3). Returns (result, was_legacy)."""
+        """Accept legacy store results (docs/design/storage-engine.md#store-controller). Returns
+        (result, was_legacy)."""
         if isinstance(value, L2StoreResult):
             return value, False
         if value is True:

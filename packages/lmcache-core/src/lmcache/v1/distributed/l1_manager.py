@@ -1,9 +1,11 @@
-"""L1 manager: staging, resident objects, read locks and transfer pins (spec §2.3-2.5).
+"""L1 manager: staging, resident objects, read locks and transfer pins
+(docs/design/storage-engine.md#l1-manager).
 
 One manager-wide lock makes every public batch call atomic. Listeners are called inside
 that lock (they only record). Buffers handed to an adapter carry a *transfer pin*: a pinned
 buffer is never freed or reused, even when its key is deleted or its read lock expires;
-the memory is released when the last pin drops (IMPROVE §2.5).
+the memory is released when the last pin drops (IMPROVE,
+docs/design/storage-engine.md#buffer-safety).
 """
 
 from __future__ import annotations
@@ -141,7 +143,8 @@ class L1Manager(L1ManagerInterface):
             self._handlers.clear()
 
     def set_eviction_candidate_source(self, fn: Callable[[], list[ObjectKey]] | None) -> None:
-        """Eviction order for demand eviction (IMPROVE §3.5); set by the L1 eviction controller."""
+        """Eviction order for demand eviction (IMPROVE,
+        docs/design/storage-engine.md#eviction-fixes); set by the L1 eviction controller."""
         with self._mu:
             self._candidate_source = fn
 
@@ -182,7 +185,8 @@ class L1Manager(L1ManagerInterface):
             self._fire("on_l1_keys_deleted_by_manager", batch)
 
     def _allocate(self, layout: MemoryLayoutDesc, n: int) -> list[MemoryObj]:
-        """Up to n objects; demand growth and eviction before giving up (IMPROVE §3.5)."""
+        """Up to n objects; demand growth and eviction before giving up (IMPROVE,
+        docs/design/storage-engine.md#eviction-fixes)."""
         if n == 0:
             return []
         objs = self._allocator.batched_allocate(layout.shapes, layout.dtypes, n)
@@ -425,7 +429,7 @@ class L1Manager(L1ManagerInterface):
             self._fire("on_l1_keys_deleted_by_manager", freed)
         return out
 
-    # --- transfer pins (IMPROVE §2.5) --------------------------------------------------------------------
+    # --- transfer pins (IMPROVE, docs/design/storage-engine.md#buffer-safety) ---------------------
 
     def pin_objects(self, objs: Iterable[MemoryObj]) -> None:
         with self._mu:

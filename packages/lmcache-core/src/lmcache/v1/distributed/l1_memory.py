@@ -1,11 +1,12 @@
-"""L1 memory: an aligned first-fit address manager over one contiguous arena (spec §2.2).
+"""L1 memory: an aligned first-fit address manager over one contiguous arena
+(docs/design/storage-engine.md#l1-memory).
 
 Arenas:
 - anonymous memory (``mmap``; pages are committed by the OS on first touch), optionally
   2 MiB hugepages;
 - a POSIX shared-memory segment (``/dev/shm/lmcache_l1_pool_<name>``), created at the full
-  L1 size as a sparse file so it works with lazy growth too (protocol.md §13.1). When
-  ``/dev/shm`` has less free space than the L1 size, SHM is not used and a WARNING says why
+  L1 size as a sparse file so it works with lazy growth too (docs/design/protocol.md#defaults-shm).
+  When ``/dev/shm`` has less free space than the L1 size, SHM is not used and a WARNING says why
   (``shm_disabled_reason``).
 
 Allocators: ``L1Allocator`` with ``lazy=False`` commits the whole pool at start; with

@@ -1,4 +1,4 @@
-"""Prefetch controller: L2 -> L1 (spec §4.4).
+"""Prefetch controller: L2 -> L1 (docs/design/storage-engine.md#prefetch-controller).
 
 Requests run on a pool of ``max_in_flight`` worker threads (the in-flight cap). A single
 poller thread watches every adapter's lookup and load fds and hands results to the waiting

@@ -1,4 +1,5 @@
-"""StorageManager: L1 managers, eviction, L2 adapters and the store/prefetch controllers (§4.1).
+"""StorageManager: L1 managers, eviction, L2 adapters and the store/prefetch controllers
+(docs/design/storage-engine.md#storage-manager).
 
 Construction order: L1 managers -> one L1 eviction controller each -> adapters (through the
 registry, with their affinity L1's ``L1MemoryDesc``; wrapped in ``SerdeL2AdapterWrapper``

@@ -1,4 +1,5 @@
-"""Store and prefetch policies (spec §4.3, §4.4) and their registries.
+"""Store and prefetch policies (docs/design/storage-engine.md#store-controller,
+docs/design/storage-engine.md#prefetch-controller) and their registries.
 
 Store: ``select_store_targets(keys, adapter_descriptors) -> {adapter_index: keys}`` and
 ``select_l1_deletions(keys) -> keys`` (run after a successful store). Prefetch:

@@ -1,11 +1,12 @@
-"""Store controller: L1 -> L2 write-behind (spec §4.3).
+"""Store controller: L1 -> L2 write-behind (docs/design/storage-engine.md#store-controller).
 
 A listener on ``on_l1_keys_write_finished`` (called inside the L1 lock) only queues keys and
 signals. The loop thread polls {listener fd, control fd, each adapter's store fd}, routes
 pending keys through the store policy, pins them in L1 (a read lock plus the transfer pin of
-§2.5) and submits one task per (adapter, key group). At most ``max_in_flight_per_adapter``
-tasks run per adapter; extra keys wait unpinned. On completion pins are released and, on
-success, ``select_l1_deletions`` keys are deleted from L1 once no other adapter still stores them.
+docs/design/storage-engine.md#buffer-safety) and submits one task per (adapter, key group). At most
+``max_in_flight_per_adapter`` tasks run per adapter; extra keys wait unpinned. On completion pins
+are released and, on success, ``select_l1_deletions`` keys are deleted from L1 once no other adapter
+still stores them.
 """
 
 from __future__ import annotations

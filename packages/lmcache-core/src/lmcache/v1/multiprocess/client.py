@@ -1,4 +1,5 @@
-"""Client library of the MP cache server (spec/protocol.md 1.3, 2).
+"""Client library of the MP cache server (docs/design/protocol.md#client-library,
+docs/design/protocol.md#framing).
 
 Typical use (a vLLM worker or scheduler, a benchmark, a test)::
 

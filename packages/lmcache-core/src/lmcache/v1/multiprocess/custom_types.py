@@ -1,4 +1,5 @@
-"""Types vLLM's in-tree ``lmcache_mp_connector`` imports at load (connector.md 2.3).
+"""Types vLLM's in-tree ``lmcache_mp_connector`` imports at load
+(docs/design/architecture.md#vllm-imports).
 
 The structs live in :mod:`lmcache.v1.multiprocess.protocol`; this module only gives
 them the import path vLLM expects. Keep it import-light: no zmq, no server code.

@@ -1,5 +1,5 @@
-"""Prometheus metrics of the MP server (spec/protocol.md 12): LMCache 0.5.6's names and
-label sets, so a dashboard built on 0.5.6 keeps working, plus series of our own.
+"""Prometheus metrics of the MP server (docs/design/protocol.md#http-metrics): LMCache 0.5.6's names
+and label sets, so a dashboard built on 0.5.6 keeps working, plus series of our own.
 
 0.5.6 exports OpenTelemetry instruments through Prometheus; what a scrape shows is
 ``<name>_<unit>_total{labels}``. We keep the same series without OpenTelemetry: counters

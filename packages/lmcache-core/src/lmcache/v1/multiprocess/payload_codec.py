@@ -1,6 +1,7 @@
 """Copy-path payload encodings of ``commit_store.data`` / ``prepare_retrieve.data``.
 
-spec/protocol.md 8.4, platform.md 6.6. One implementation shared by server and client:
+docs/design/protocol.md#payload-encodings, docs/design/platform.md#payload-safety. One
+implementation shared by server and client:
 
 * empty bytes: the SHM path, no payload;
 * ``0x80``: pickle of ``list[torch.Tensor]`` (LMCache 0.5.6 clients). It is read ONLY

@@ -1,4 +1,5 @@
-"""Wire protocol of the MP cache server (spec/protocol.md sections 2-5, 10).
+"""Wire protocol of the MP cache server (docs/design/protocol.md#framing,
+docs/design/protocol.md#errors).
 
 Framing: a request is ``[uid, op, payload_0, ...]`` (the ROUTER prepends the peer
 identity); a reply is ``[uid, op]`` echoed byte for byte plus ``[response]`` only when
@@ -142,7 +143,7 @@ class RequestAllocationRecord(msgspec.Struct, kw_only=True):
     new_token_ids: Any = None
 
 
-# The older name vLLM's connector still imports (connector.md 2.3).
+# The older name vLLM's connector still imports (docs/design/architecture.md#vllm-imports).
 BlockAllocationRecord = RequestAllocationRecord
 
 

@@ -1,8 +1,8 @@
 """Builds and stops the whole server process: storage, engine, RPC server (and SHM state).
 
 ``ServerRuntime.build(mp_config, storage_config)`` follows the startup order of
-spec/protocol.md 1.1; ``stop()`` stops the RPC server, then the engine, then the storage
-(which unlinks the SHM pool).
+docs/design/architecture.md#server-threads; ``stop()`` stops the RPC server, then the engine, then
+the storage (which unlinks the SHM pool).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The RPC front door of ``lmcache server``: one ROUTER socket, one loop thread, pools.
 
-spec/protocol.md 1.2 and 2:
+docs/design/protocol.md#server-threads, docs/design/protocol.md#framing:
 
 * The loop thread (``mq-server-thread``) is the only thread touching the ROUTER. It
   blocks in ZeroMQ's own receive, decodes and dispatches every request and sends every

@@ -1,4 +1,5 @@
-"""Per-request sessions and lookup jobs (spec/protocol.md 6, 7).
+"""Per-request sessions and lookup jobs (docs/design/protocol.md#sessions,
+docs/design/protocol.md#lookup-prefetch).
 
 A ``Session`` per request_id holds the token ids and their cached chunk hashes, the
 current lookup job, the lock shares still owed per (chunk, rank) and the in-flight

@@ -1,4 +1,5 @@
-"""Prefix-chained chunk hashes (spec/protocol.md 4.2) and kv_rank packing (4.3).
+"""Prefix-chained chunk hashes (docs/design/protocol.md#token-hashing) and kv_rank packing
+(docs/design/protocol.md#object-keys).
 
 ``h_i = blake3(h_{i-1} || uint32_be(t) for t in chunk_i)`` starting from
 ``NONE_HASH = blake3(12 zero bytes)``. Only complete chunks are hashed.

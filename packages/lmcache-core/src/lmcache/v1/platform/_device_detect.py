@@ -2,8 +2,8 @@
 
 A :class:`DeviceRegistry` owns everything: the registered specs, where they came from,
 the plugins that failed, and this process's detection result. Registration order
-(platform.md §5.1): core's CPU spec, then the registry's ``extra_specs`` (tests), then
-entry points of group ``lmcache.device_plugins``, first-party (``lmcache.devices.*``)
+(docs/design/platform.md#registration-order): core's CPU spec, then the registry's ``extra_specs``
+(tests), then entry points of group ``lmcache.device_plugins``, first-party (``lmcache.devices.*``)
 before third-party, each sorted by (name, value). Everything is computed on first use
 and kept until :meth:`DeviceRegistry.reset`.
 
@@ -249,7 +249,7 @@ class DeviceRegistry:
             logger.debug("is_available() of %r raised %s; treating as unavailable", spec, exc)
             return False
 
-    # ---- detection (platform.md §5.4) ------------------------------------------------
+    # ---- detection (docs/design/platform.md#detection) -------------------------------------------
 
     def _type_order(self, devices: dict[str, tuple[DeviceSpec, ...]]) -> list[str]:
         sources = self.sources()

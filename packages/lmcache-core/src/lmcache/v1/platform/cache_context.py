@@ -1,4 +1,5 @@
-"""``create_cache_context``: route to the device spec's cache-context hook (platform.md §7.5)."""
+"""``create_cache_context``: route to the device spec's cache-context hook
+(docs/design/platform.md#cache-context)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Engine KV layout detection: which ``EngineKVFormat`` a layer tensor is, and its geometry.
 
 NHD and HND tensors of the same rank look alike; the engine's ``layout_hint``
-(``"NHD"``/``"HND"``) decides, and NHD is assumed without one (platform.md §1.3).
+(``"NHD"``/``"HND"``) decides, and NHD is assumed without one (docs/design/platform.md#kv-layouts).
 """
 
 from __future__ import annotations

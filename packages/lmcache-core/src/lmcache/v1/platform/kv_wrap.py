@@ -1,4 +1,4 @@
-"""Wrap a worker's KV caches for IPC: one wrapper per layer (platform.md §7.4)."""
+"""Wrap a worker's KV caches for IPC: one wrapper per layer (docs/design/platform.md#kv-wrap)."""
 
 from __future__ import annotations
 

@@ -67,7 +67,7 @@ class EngineKVFormat(enum.IntEnum):
 
 _F = EngineKVFormat
 
-# One table of flags per format (platform.md §1.5); the predicates below read it.
+# One table of flags per format (docs/design/platform.md#kv-formats); the predicates below read it.
 _FLAGS: dict[int, frozenset[str]] = {
     _F.NB_NL_TWO_BS_NH_HS: frozenset({"cross_layer"}),
     _F.NL_X_TWO_NB_BS_NH_HS: frozenset({"layer_list", "two_major"}),

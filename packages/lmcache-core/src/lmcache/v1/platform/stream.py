@@ -1,6 +1,7 @@
 """Device-neutral stream helpers dispatched through the spec of the given device.
 
-CPU devices always use the stub, never the active accelerator (platform.md §7.8).
+CPU devices always use the stub, never the active accelerator
+(docs/design/platform.md#event-notifiers).
 """
 
 from __future__ import annotations

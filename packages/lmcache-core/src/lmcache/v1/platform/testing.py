@@ -1,4 +1,4 @@
-"""Fake accelerator modules for tests (platform.md §8.0). Tensors stay on CPU.
+"""Fake accelerator modules for tests (docs/design/platform.md#device-wheels). Tensors stay on CPU.
 
 ``install_fake_device("mlu", vendor_module="torch_mlu")`` sets ``torch.mlu`` to a fake
 module; for ``cuda``/``xpu`` (which stock torch already has) it patches the module's
@@ -376,7 +376,8 @@ _CANONICAL_FORMAT_SHAPES = {
 
 
 def _canonical_rows(fmt: int, layer: Any, bid: int) -> Any:
-    """Token-major rows of one block (platform.md §1.4): [2, BS, NH*HS] or [BS, HS]."""
+    """Token-major rows of one block (docs/design/storage-formats.md#host-chunk): [2, BS, NH*HS] or
+    [BS, HS]."""
     if fmt == 3:
         return layer[bid]
     if fmt == 1:

@@ -1,4 +1,4 @@
-"""Native ops module bound by ``CudaDeviceOps.ensure_native`` (platform.md §3.4).
+"""Native ops module bound by ``CudaDeviceOps.ensure_native`` (docs/design/platform.md#bind-native).
 
 ``_C`` is built when the wheel build finds nvcc (unless NO_GPU_EXT=1); without it
 importing this module raises ImportError and the ops stay on the torch baseline (one WARNING). ``bind_native``

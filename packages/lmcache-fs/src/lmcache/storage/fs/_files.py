@@ -1,4 +1,5 @@
-"""File protocol shared by ``fs`` and ``fs_native`` (storage.md §1.2-1.3, §8.1).
+"""File protocol shared by ``fs`` and ``fs_native`` (docs/design/storage-formats.md#l2-names,
+docs/design/storage-engine.md#backend-fs).
 
 A value is written to a temp file with a name unique per writer, fsynced, then published
 with ``link()`` (or ``renameat2(RENAME_NOREPLACE)``), which never replaces an existing file:

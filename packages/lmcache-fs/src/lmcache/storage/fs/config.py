@@ -1,4 +1,5 @@
-"""Config classes of the ``fs`` and ``fs_native`` types (storage.md §8.1-8.2)."""
+"""Config classes of the ``fs`` and ``fs_native`` types
+(docs/design/storage-engine.md#backend-fs)."""
 
 from __future__ import annotations
 

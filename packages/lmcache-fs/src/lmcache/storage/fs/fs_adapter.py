@@ -1,4 +1,4 @@
-"""``fs``: a pure-Python file-per-key L2 adapter (storage.md §8.1).
+"""``fs``: a pure-Python file-per-key L2 adapter (docs/design/storage-engine.md#backend-fs).
 
 Work runs on a bounded thread pool (``num_workers`` threads per adapter, never a thread per
 key); completions are published through core's completion channels.

@@ -1,4 +1,5 @@
-"""``fs_native``: the C++ file connector behind core's ``NativeConnectorL2Adapter`` (§8.2).
+"""``fs_native``: the C++ file connector behind core's ``NativeConnectorL2Adapter``
+(docs/design/storage-engine.md#backend-fs-native).
 
 The bridge does locking and accounting; this subclass adds the start-up usage recovery that
 ``fs`` has (a background scan that counts existing files, oldest first).

@@ -2,9 +2,10 @@
 
 Supported: ``multi_layer_block_kv_transfer`` with real per-layer tensors in K/V-first
 NHD ``[2, NB, BS, NH, HS]`` (#1), K/V-first HND ``[2, NB, NH, BS, HS]`` (#6) and MLA
-``[NB, BS, HS]`` (#3), to and from canonical token-major host chunks (platform.md §1.4,
-§4.3 skip and partial-chunk rules), and tensor-mode ``lmcache_memcpy_async``.
-Everything that would treat MLU addresses as host pointers raises instead.
+``[NB, BS, HS]`` (#3), to and from canonical token-major host chunks
+(docs/design/storage-formats.md#host-chunk, the skip and partial-chunk rules of
+docs/design/platform.md#block-transfer), and tensor-mode ``lmcache_memcpy_async``. Everything that
+would treat MLU addresses as host pointers raises instead.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Overrides exactly ``tensor_from_ptr``, ``lmcache_memcpy_async``,
 ``record_completion_on_stream``, ``record_event_on_stream`` and ``transfer_blocks`` (the
-body of ``multi_layer_block_kv_transfer``; platform.md §8.4). Fallbacks call
+body of ``multi_layer_block_kv_transfer``; docs/design/platform.md#device-musa). Fallbacks call
 ``lmcache.v1.platform.torch_ops`` directly.
 """
 

@@ -1,4 +1,4 @@
-"""LMCache-driven MUSA pieces, not implemented yet (LATER, platform.md §8.4).
+"""LMCache-driven MUSA pieces, not implemented yet (LATER, docs/design/platform.md#device-musa).
 
 The names exist so that callers and docs can refer to them; each fails with an error that
 says what to use instead. ``MusaDeviceSpec`` does not expose them, so its capability flag

@@ -1,4 +1,5 @@
-"""The §7.1 native-connector contract over NIXL, for ``nixl_native``.
+"""The native-connector contract (docs/design/storage-engine.md#native-contract) over NIXL, for
+``nixl_native``.
 
 ``event_fd``, ``submit_batch_get/set/exists`` (and ``submit_batch_delete`` where the storage can
 delete), ``drain_completions`` and ``close``, driven by core's ``NativeConnectorL2Adapter``
@@ -9,16 +10,16 @@ Workers: ``num_workers`` threads, each owning one NIXL agent with the whole L1 a
 as DRAM. A batch of n keys is split into ``min(workers, n)`` tiles; the last tile to finish
 pushes exactly one completion. Per key:
 
-* FILE_SEG plugins (POSIX, ...): the §1.2 file name under ``file_path``. Set writes a unique
-  temp file through NIXL, fsyncs it and publishes it with ``link()`` (an existing file is never
-  replaced: the first writer wins). Get reads the first ``len(buffer)`` bytes of a file at
-  least that long. Exists stats the file; delete unlinks it.
+* FILE_SEG plugins (POSIX, ...): the L2 file name (docs/design/storage-formats.md#l2-names) under
+  ``file_path``. Set writes a unique temp file through NIXL, fsyncs it and publishes it with
+  ``link()`` (an existing file is never replaced: the first writer wins). Get reads the first
+  ``len(buffer)`` bytes of a file at least that long. Exists stats the file; delete unlinks it.
 * OBJ_SEG plugins (OBJ, ...): one object per key named by the native key string. Exists asks
   NIXL's ``query_memory``; there is no delete (NIXL has no object delete), so eviction is
   refused at creation.
 
 Buffers must lie in the registered arena; one that does not fails its key (get) or its tile
-(set) with the reason, as the §7.3 semantics say.
+(set) with the reason, as docs/design/storage-engine.md#native-framework says.
 """
 
 from __future__ import annotations
@@ -101,7 +102,7 @@ class NixlConnector:
         for t in self._threads:
             t.start()
 
-    # --- §7.1 -----------------------------------------------------------------------------
+    # --- native-connector contract ----------------------------------------------------------------
 
     def event_fd(self) -> int:
         return self._fd
@@ -290,7 +291,8 @@ class NixlConnector:
 
 
 class NixlFileConnector(NixlConnector):
-    """FILE_SEG plugins: one file per key under the §1.2 name, published like ``fs``."""
+    """FILE_SEG plugins: one file per key under its L2 name
+    (docs/design/storage-formats.md#l2-names), published like ``fs``."""
 
     storage_type = "FILE"
     supports_delete = True
@@ -352,7 +354,8 @@ class NixlFileConnector(NixlConnector):
             return False
         try:
             if os.fstat(fd).st_size < n:
-                return False  # shorter than the destination: a miss (§1.3)
+                return False  # shorter than the destination: a miss
+                # (docs/design/storage-formats.md#value-bytes)
             reg = agent.register_memory([(0, n, fd, "")], mem_type="FILE")
             try:
                 self.move(agent, "READ", addr, n, (0, n, fd), "FILE")

@@ -1,4 +1,5 @@
-"""Configs of the ``nixl_store`` and ``nixl_native`` types (storage.md §8.5).
+"""Configs of the ``nixl_store`` and ``nixl_native`` types
+(docs/design/storage-engine.md#backend-nixl).
 
 Field names, defaults and error texts are those of LMCache 0.5.6, so its JSON configs parse
 unchanged.
@@ -116,7 +117,8 @@ class NixlStoreL2AdapterConfig(L2AdapterConfigBase):
 @dataclass
 class NixlNativeL2AdapterConfig(L2AdapterConfigBase):
     """``nixl_native``: one file (FILE_SEG plugins) or object (OBJ_SEG plugins) per key, under
-    the §1.2 names, moved by NIXL from the registered L1 arena."""
+    the L2 names (docs/design/storage-formats.md#l2-names), moved by NIXL from the registered L1
+    arena."""
 
     backend: str
     backend_params: dict[str, str] = field(default_factory=dict)

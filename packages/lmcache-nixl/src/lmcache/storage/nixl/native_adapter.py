@@ -1,4 +1,5 @@
-"""``nixl_native``: the NIXL connector behind core's ``NativeConnectorL2Adapter`` (§7.2, §8.5).
+"""``nixl_native``: the NIXL connector behind core's ``NativeConnectorL2Adapter``
+(docs/design/storage-engine.md#native-bridge, docs/design/storage-engine.md#backend-nixl).
 
 The bridge does locking, accounting and routing; this subclass builds the connector (FILE or
 OBJ, inferred from the plugin), refuses eviction where the storage cannot delete, turns padding

@@ -1,4 +1,5 @@
-"""``nixl_store``: L2 objects kept in a fixed pool of page-sized NIXL slots (storage.md §8.5).
+"""``nixl_store``: L2 objects kept in a fixed pool of page-sized NIXL slots
+(docs/design/storage-engine.md#backend-nixl).
 
 One NIXL agent has the whole L1 arena registered (one descriptor per ``align_bytes`` page) and
 ``pool_size`` files of ``file_size`` bytes (file backends) or ``pool_size`` one-page objects

@@ -1,4 +1,4 @@
-"""Config of the ``resp`` type (storage.md §8.3)."""
+"""Config of the ``resp`` type (docs/design/storage-engine.md#backend-resp)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""``s3``: the L2 adapter over an S3 bucket (storage.md §8.4).
+"""``s3``: the L2 adapter over an S3 bucket (docs/design/storage-engine.md#backend-s3).
 
 Every key of a task is one request, all in flight at once (the CRT client spreads them over
 its connections). Requests complete on CRT threads; the last key of a task hands the task to

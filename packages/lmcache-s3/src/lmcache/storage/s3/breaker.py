@@ -1,4 +1,4 @@
-"""A circuit breaker that re-arms (storage.md §8.4 IMPROVE).
+"""A circuit breaker that re-arms (IMPROVE, docs/design/storage-engine.md#backend-s3).
 
 0.5.6 disabled its S3 adapter for good after 3 connection errors. Here ``max_failures``
 consecutive connection-class failures *open* the breaker: requests are refused without

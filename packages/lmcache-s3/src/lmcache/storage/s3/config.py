@@ -1,5 +1,5 @@
-"""Config of the ``s3`` type (storage.md §8.4): the 0.5.6 keys plus path-style addressing,
-the circuit breaker and request timeouts."""
+"""Config of the ``s3`` type (docs/design/storage-engine.md#backend-s3): the 0.5.6 keys plus
+path-style addressing, the circuit breaker and request timeouts."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""S3 object names and ListObjectsV2 pages (storage.md §1.2, §8.4).
+"""S3 object names and ListObjectsV2 pages (docs/design/storage-formats.md#l2-names,
+docs/design/storage-engine.md#backend-s3).
 
 The object name of a key is its native string (core's codec); request paths URL-quote it with
 ``/`` left as is. Listing skips objects whose names are not keys.

@@ -1,4 +1,4 @@
-"""L2 adapter configuration and ``--l2-adapter`` parsing (spec §6).
+"""L2 adapter configuration and ``--l2-adapter`` parsing (docs/design/storage-engine.md#l2-config).
 
 Every JSON object given to ``--l2-adapter`` names a registered ``type``; its config class
 (a ``L2AdapterConfigBase`` subclass) parses the rest with ``from_dict``. Types come from
@@ -170,7 +170,8 @@ def get_type_name_for_config(cfg: L2AdapterConfigBase) -> str:
 def create_l2_adapter_from_registry(
     cfg: L2AdapterConfigBase, l1_memory_desc: L1MemoryDesc | None = None
 ) -> L2AdapterInterface:
-    """Also exported here (IMPROVE §0.1): builds the adapter ``cfg`` configures."""
+    """Also exported here (IMPROVE, docs/design/storage-engine.md#l2-packaging): builds the adapter
+    ``cfg`` configures."""
     return default_l2_adapter_registry().create(cfg, l1_memory_desc)
 
 

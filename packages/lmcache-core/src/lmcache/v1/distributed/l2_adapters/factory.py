@@ -1,4 +1,5 @@
-"""Adapter factories and plugin discovery: 0.5.6's functions (spec §0.2, §6.2).
+"""Adapter factories and plugin discovery: 0.5.6's functions
+(docs/design/storage-engine.md#l2-packaging, docs/design/storage-engine.md#l2-config).
 
 Each answers from the default :class:`~lmcache.v1.distributed.l2_adapters.registry.L2AdapterRegistry`,
 which owns the types, factories, pending modules and entry-point results.

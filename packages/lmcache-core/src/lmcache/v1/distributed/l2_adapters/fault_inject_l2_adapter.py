@@ -1,4 +1,5 @@
-"""``fault_inject`` L2 type (test-only, spec §8.7): wraps an inner adapter and drops load bits.
+"""``fault_inject`` L2 type (test-only, docs/design/storage-engine.md#backend-fault-inject): wraps
+an inner adapter and drops load bits.
 
 Everything delegates to the inner adapter; only load results change. Position i of an n-key
 load is dropped when i is in ``gap_indices``, when ``i == round((1-r)(n-1))`` for some r in

@@ -1,4 +1,5 @@
-"""Pluggy hook specification for L2 adapter types shipped by other wheels (spec §0.2).
+"""Pluggy hook specification for L2 adapter types shipped by other wheels
+(docs/design/storage-engine.md#l2-packaging).
 
 A storage wheel declares::
 

@@ -1,4 +1,5 @@
-"""Byte-exact L2 object names (spec storage.md §1.2). Every adapter uses this codec.
+"""Byte-exact L2 object names (docs/design/storage-formats.md#l2-names). Every adapter uses this
+codec.
 
 Native string: ``<model>@<kv_rank 8 hex>@<gid hex>@<hash hex>[@<salt>]``.
 File name: ``<model, "/" -> "-SEP-">@0x<kv_rank 8 hex>@<gid hex>@<hash hex>[@<salt>].data``.

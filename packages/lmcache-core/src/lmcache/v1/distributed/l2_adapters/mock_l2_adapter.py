@@ -1,4 +1,5 @@
-"""``mock`` L2 type (test-only, spec §8.6): an in-memory store that emulates bandwidth.
+"""``mock`` L2 type (test-only, docs/design/storage-engine.md#backend-mock): an in-memory store that
+emulates bandwidth.
 
 Stores deep copies; duplicate keys and keys that do not fit are skipped while the task still
 succeeds with only the newly stored bytes. Lookup takes refcount locks, load copies, delete

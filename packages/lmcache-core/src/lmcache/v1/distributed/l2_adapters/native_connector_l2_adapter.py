@@ -1,4 +1,5 @@
-"""Bridge from a native connector (one fd, mixed completions) to ``L2AdapterInterface`` (§7.2).
+"""Bridge from a native connector (one fd, mixed completions) to ``L2AdapterInterface``
+(docs/design/storage-engine.md#native-bridge).
 
 Constructor::
 
@@ -6,19 +7,20 @@ Constructor::
                              extra_status=None, pad_buffers_to_alignment=False,
                              endpoint="", health_probe_interval_s=0.0)
 
-``native_client`` is any object with the §7.1 methods: ``event_fd() -> int``,
-``submit_batch_get(keys: list[str], memoryviews) -> int``, ``submit_batch_set(keys, memoryviews)
--> int``, ``submit_batch_exists(keys) -> int``, optional ``submit_batch_delete(keys) -> int``,
-``drain_completions() -> list[(future_id, ok, error, result_bools | None)]`` and ``close()``.
-The pybind11 clients of lmcache-fs and lmcache-redis are wrapped with it, e.g.
+``native_client`` is any object with the native-connector methods
+(docs/design/storage-engine.md#native-contract): ``event_fd() -> int``, ``submit_batch_get(keys:
+list[str], memoryviews) -> int``, ``submit_batch_set(keys, memoryviews) -> int``,
+``submit_batch_exists(keys) -> int``, optional ``submit_batch_delete(keys) -> int``,
+``drain_completions() -> list[(future_id, ok, error, result_bools | None)]`` and ``close()``. The
+pybind11 clients of lmcache-fs and lmcache-redis are wrapped with it, e.g.
 ``NativeConnectorL2Adapter(LMCacheFSClient(...), max_capacity_gb=cfg.max_capacity_gb,
 type_name="fs_native", pad_buffers_to_alignment=cfg.use_odirect)``.
 
 The bridge owns three notifiers (store, lookup, load) and a daemon demux thread
 (``l2-adapter-demux``) that polls the native fd and routes completions by future id. Keys become
-§1.2 strings; buffers become ``byte_array`` memoryviews (for stores the full physical slot,
-tail zeroed, when padding is on; loads always use the logical bytes). L2 locks are client-side refcounts with a 300 s TTL; ``delete`` skips
-locked keys.
+L2 name strings (docs/design/storage-formats.md#l2-names); buffers become ``byte_array`` memoryviews
+(for stores the full physical slot, tail zeroed, when padding is on; loads always use the logical
+bytes). L2 locks are client-side refcounts with a 300 s TTL; ``delete`` skips locked keys.
 
 Health (``report_status()``, see ``health.py``) comes from the completions: a failed one
 records its error (the connector's text, e.g. ``cannot connect to redis at h:6379:
@@ -126,9 +128,10 @@ class NativeConnectorL2Adapter(CompletionChannels, L2AdapterInterface):
     # --- submit path ------------------------------------------------------------------------
 
     def _view(self, obj: MemoryObj, pad: bool) -> tuple[memoryview, int]:
-        # Padding is for writes only (§1.3): a load gets the logical bytes, so a file written
-        # without padding (``fs``, 0.5.6, fs_native without O_DIRECT) that is shorter than the
-        # slot is still a hit; a longer, padded file is read for its first len(buffer) bytes.
+        # Padding is for writes only (docs/design/storage-formats.md#value-bytes): a load gets the
+        # logical bytes, so a file written without padding (``fs``, 0.5.6, fs_native without
+        # O_DIRECT) that is shorter than the slot is still a hit; a longer, padded file is read for
+        # its first len(buffer) bytes.
         if pad and isinstance(obj, TensorMemoryObj) and obj.get_physical_size() > obj.get_size():
             full = obj.physical_byte_array()
             logical = obj.get_size()

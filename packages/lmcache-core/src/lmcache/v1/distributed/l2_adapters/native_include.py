@@ -1,4 +1,5 @@
-"""Location of the native connector framework headers (spec §7.4), for third-party builds::
+"""Location of the native connector framework headers (docs/design/storage-engine.md#native-build),
+for third-party builds::
 
 from lmcache.v1.distributed.l2_adapters.native_include import get_include
 # CMake / setup.py: include_dirs=[get_include()]  ->  #include "connector_base.h"

@@ -1,9 +1,11 @@
-"""``native_plugin`` L2 type (spec §6.5): wrap any native-style connector in the bridge.
+"""``native_plugin`` L2 type (docs/design/storage-engine.md#native-plugin-type): wrap any
+native-style connector in the bridge.
 
 ``{"type":"native_plugin","module_path":"my_ext.connector","class_name":"MyConnectorClient",
 "adapter_params":{...},"max_capacity_gb":0}`` imports the module, calls
 ``class_name(**adapter_params)`` (a factory class whose ``__new__`` returns the native object is
-fine), checks the §7.1 methods and returns ``NativeConnectorL2Adapter(client, max_capacity_gb)``.
+fine), checks the native-connector methods (docs/design/storage-engine.md#native-contract) and
+returns ``NativeConnectorL2Adapter(client, max_capacity_gb)``.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""``plugin`` L2 type (spec §6.4): load a Python ``L2AdapterInterface`` class from any module.
+"""``plugin`` L2 type (docs/design/storage-engine.md#plugin-type): load a Python
+``L2AdapterInterface`` class from any module.
 
 ``{"type":"plugin","module_path":"my_plugin.l2","class_name":"MyL2Adapter",
 "adapter_params":{...},"config_class_name":"MyL2AdapterConfig"}``
@@ -76,7 +77,8 @@ class PluginL2AdapterConfig(L2AdapterConfigBase):
 
 
 def import_plugin_class(module_path: str, class_name: str) -> tuple[Any, Any]:
-    """Import ``module_path`` and fetch ``class_name`` with the §6.4 error texts."""
+    """Import ``module_path`` and fetch ``class_name`` with the error texts of
+    docs/design/storage-engine.md#plugin-type."""
     try:
         module = importlib.import_module(module_path)
     except Exception as exc:
@@ -141,7 +143,8 @@ def _lookup_takes_layouts(adapter: Any) -> bool:
 
 
 def adapt_legacy_adapter(adapter: L2AdapterInterface, qualname: str) -> L2AdapterInterface:
-    """Fill base state a plugin skipped (IMPROVE §5.5a) and mark one-argument lookups (§5.5b)."""
+    """Fill base state a plugin skipped (IMPROVE, docs/design/storage-engine.md#legacy-plugins) and
+    mark one-argument lookups (docs/design/storage-engine.md#legacy-plugins)."""
     if adapter._ensure_base_state():
         logger.warning(
             "%s did not call L2AdapterInterface.__init__(); usage accounting assumes capacity 0",

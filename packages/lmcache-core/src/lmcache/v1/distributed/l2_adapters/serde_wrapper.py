@@ -1,4 +1,5 @@
-"""``SerdeL2AdapterWrapper`` (spec §5.4): runs a serde between the caller and an inner adapter.
+"""``SerdeL2AdapterWrapper`` (docs/design/storage-engine.md#l2-wrappers): runs a serde between the
+caller and an inner adapter.
 
 An adapter config with a ``"serde": {"type": <name>, **kwargs}`` block is wrapped at
 StorageManager start. On store each object is serialised into an L1 temporary buffer and the
@@ -372,7 +373,8 @@ class SerdeL2AdapterWrapper(CompletionChannels, WrappingL2Adapter):
 
 
 def _succeeded(result: Any) -> bool:
-    """Success of a raw inner store result (legacy values as in §4.3)."""
+    """Success of a raw inner store result (legacy values as in
+    docs/design/storage-engine.md#store-controller)."""
     if isinstance(result, L2StoreResult):
         return bool(result.is_successful())
     if isinstance(result, bool):

@@ -4,7 +4,7 @@
 sockets and calls ``engine.handlers[op_name](ctx, *params)`` on the thread the op's
 kind selects. Handlers raise ``RequestError`` for requests 0.5.6 would leave unanswered
 (the transport turns it into silence or a negotiated error reply) and return False-ish
-values where 0.5.6 already replies with one (spec/protocol.md 10).
+values where 0.5.6 already replies with one (docs/design/protocol.md#errors).
 
 The package follows the engine's areas, one module each: ``state`` (records and helpers
 every area shares), ``instances`` (registration, liveness), ``lookup`` (lookups and

@@ -339,7 +339,8 @@ def _open_cache_context(
     layout_hints: dict | None,
     engine_group_infos: list | None,
 ) -> Any:
-    """platform.md §6.3 check 4: the device's cache context, then event IPC on its device.
+    """Check 4 of docs/design/platform.md#lmcache-driven-checks: the device's cache context, then
+    event IPC on its device.
 
     A device without either fails the registration (a RequestError the client sees as a
     failed REGISTER); it never silently registers and it never takes the server down.

@@ -1,4 +1,5 @@
-"""HTTP admin API of ``lmcache server`` (spec/protocol.md 11): FastAPI, loopback by default.
+"""HTTP admin API of ``lmcache server`` (docs/design/protocol.md#http-metrics): FastAPI, loopback by
+default.
 
 ``build_app(runtime)`` returns the app; the CLI serves it with uvicorn. Routes, status codes
 and JSON shapes are LMCache 0.5.6's (docs/compat.md "HTTP API" lists every route and the

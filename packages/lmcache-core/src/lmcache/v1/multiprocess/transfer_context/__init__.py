@@ -1,4 +1,4 @@
-"""Worker transfer contexts and the mode router (platform.md 6.2).
+"""Worker transfer contexts and the mode router (docs/design/platform.md#transfer-router).
 
 ``create_transfer_context(kv_caches, *, instance_id, req_client, mode=None, **kw)`` picks
 ``lmcache_driven`` or ``engine_driven`` (AUTO follows the device spec's
@@ -77,8 +77,8 @@ def _build_lmcache_driven_context(kv_caches: Any, device_type: str, **kwargs: An
             "no KV-cache wrapper factory is registered. Use mode 'engine_driven' instead."
         ) from None
     spec = get_device_spec(device_type)
-    # effective_...: same answer, plus the platform.md 2.3 warning when the spec's two
-    # capability flags disagree
+    # effective_...: same answer, plus the docs/design/platform.md#capability-flags warning when the
+    # spec's two capability flags disagree
     if spec is not None and not effective_lmcache_driven_available(spec):
         raise ValueError(
             f"MP transfer mode 'lmcache_driven' is not available for device type {device_type!r}: "

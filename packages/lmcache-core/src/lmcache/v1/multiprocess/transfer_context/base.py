@@ -2,7 +2,8 @@
 
 Both functions run on the platform's ``multi_layer_block_kv_transfer`` resolved for the
 KV tensor's own device (``resolve_device_ops(t.device.type)``), and produce/consume the
-canonical host chunk of platform.md 1.4: ``[2, L, T, NH*HS]`` (``[L, T, HS]`` for MLA).
+canonical host chunk of docs/design/storage-formats.md#host-chunk: ``[2, L, T, NH*HS]`` (``[L, T,
+HS]`` for MLA).
 
 ``kv_caches`` is a list of per-layer tensors in a vLLM layout: vLLM >= 0.29's fused views
 ``[NB, NH, BS, 2*HS]`` (HND) / ``[NB, BS, NH, 2*HS]`` (NHD), NHD ``[2, NB, BS, NH, HS]``,
@@ -185,7 +186,7 @@ def _transfer(
     skip_blocks: int,
 ) -> None:
     """One ``multi_layer_block_kv_transfer`` in tensor mode; batches of raw pointers of at
-    most ``max_objects_per_call`` chunks in pointer mode (platform.md 3.5)."""
+    most ``max_objects_per_call`` chunks in pointer mode (docs/design/platform.md#operand-mode)."""
     from lmcache.v1.platform.base.device_ops import resolve_kv_transfer_operands
 
     ops = _ops_for(kv_caches[0])

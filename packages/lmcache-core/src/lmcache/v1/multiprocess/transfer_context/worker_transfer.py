@@ -1,4 +1,5 @@
-"""Worker-side transfer contexts (platform.md 6.2-6.6, spec/protocol.md 8).
+"""Worker-side transfer contexts (docs/design/platform.md#transfer-router,
+docs/design/protocol.md#transfer-paths).
 
 Both contexts share one surface, used by the vLLM connector and the benchmarks::
 
@@ -412,12 +413,14 @@ class LMCacheDrivenTransferContext(_BaseContext):
 
     def __init__(self, kv_caches: Any, *, wrapper_factory: Any, **kwargs: Any) -> None:
         super().__init__(kv_caches, **kwargs)
-        self.event_backend: Any = None  # set by register() once §6.3 check 3 passes
+        self.event_backend: Any = None  # set by register() once check 3 of
+        # docs/design/platform.md#lmcache-driven-checks passes
         self.wrappers = [wrapper_factory(t) for t in self.kv_caches]
 
     def register(self, model_name: str, world_size: int, engine_group_infos: Any = None) -> None:
-        # platform.md §6.3 check 3: fail closed before anything reaches the server, so a
-        # device without event IPC never registers and then sends empty event handles.
+        # check 3 of docs/design/platform.md#lmcache-driven-checks: fail closed before anything
+        # reaches the server, so a device without event IPC never registers and then sends empty
+        # event handles.
         self.event_backend = _checked_event_backend(self.kv_caches)
         self._prepare_common(model_name, world_size)
         self.client.call(

@@ -5,7 +5,8 @@ scalar ones and returns a :class:`BlockTransferPlan`. ``DeviceOps.multi_layer_bl
 hands that plan to ``DeviceOps.transfer_blocks``, which backends override; a backend that
 delegates passes the plan on unchanged (``torch_ops.transfer_blocks(plan)``).
 
-``plan.chunk_spans(num_blocks, block_size)`` applies the chunking rules (platform.md §4.3):
+``plan.chunk_spans(num_blocks, block_size)`` applies the chunking rules
+(docs/design/platform.md#block-transfer):
 block ``j`` of the flat id list belongs to lmcache object ``j // blocks_per_object``; the
 first ``skip_prefix_n_blocks`` blocks of the whole list are not moved; a last, partial chunk
 moves only the blocks it has.

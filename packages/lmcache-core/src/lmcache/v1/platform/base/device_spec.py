@@ -64,7 +64,7 @@ def overrides(spec: Any, method_name: str) -> bool:
     return found is not None and found is not getattr(DeviceSpec, method_name)
 
 
-# ---- what a spec's answers mean for the MP transfer mode (platform.md §2.3) -----------
+# ---- the MP transfer mode a spec's answers give (docs/design/platform.md#capability-flags) -------
 
 _warned: set[tuple[str, str]] = set()
 
@@ -76,7 +76,8 @@ def _warn_once(key: tuple[str, str], msg: str, *args: Any) -> None:
 
 
 def effective_lmcache_driven_available(spec: Any) -> bool:
-    """The router's capability gate (platform.md §2.3): ``is_lmcache_driven_available()``.
+    """The router's capability gate (docs/design/platform.md#capability-flags):
+    ``is_lmcache_driven_available()``.
 
     Logs once when a spec overrides both flags and they disagree.
     """

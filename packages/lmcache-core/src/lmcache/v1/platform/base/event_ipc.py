@@ -1,4 +1,4 @@
-"""Cross-process device events for the LMCache-driven path (platform.md §7.1-7.2)."""
+"""Cross-process device events for the LMCache-driven path (docs/design/platform.md#event-ipc)."""
 
 from __future__ import annotations
 

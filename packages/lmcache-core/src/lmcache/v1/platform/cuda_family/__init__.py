@@ -1,4 +1,4 @@
-"""Shared CUDA/HIP layer over ``torch.cuda`` (platform.md §8.1), used by the
+"""Shared CUDA/HIP layer over ``torch.cuda`` (docs/design/platform.md#device-cuda), used by the
 ``lmcache-cuda`` and ``lmcache-rocm`` wheels (device wheels never import each other).
 
 Importing this package is cheap: only the spec is loaded eagerly (entry-point modules

@@ -43,7 +43,8 @@ class CudaFamilyDeviceSpec(DeviceSpec):
         except Exception:
             return False
 
-    # Both flags and the default are explicit (platform.md §2.3): no bridge guessing.
+    # Both flags and the default are explicit (docs/design/platform.md#capability-flags): no bridge
+    # guessing.
     def is_lmcache_driven_available(self) -> bool:
         return True
 
@@ -70,8 +71,8 @@ class CudaFamilyDeviceSpec(DeviceSpec):
 
     @property
     def ipc_wrapper_cls(self) -> type[DeviceIPCWrapper]:
-        # Choice per IPCPolicy (platform.md §7.7): VMM, else raw driver IPC, else torch
-        # storage IPC (the default and the only one implemented so far).
+        # Choice per IPCPolicy (docs/design/platform.md#ipc-policy): VMM, else raw driver IPC, else
+        # torch storage IPC (the default and the only one implemented so far).
         from lmcache.v1.platform.cuda_family import ipc_wrapper
 
         policy = _ipc_policy()

@@ -1,6 +1,6 @@
 """Torch baseline ops: pure PyTorch, any device with standard tensor ops.
 
-Every public op of platform.md §4.2 is importable from here and mirrored by a
+Every public op of docs/design/platform.md#baseline-ops is importable from here and mirrored by a
 ``DeviceOps`` method of the same name and signature. Helpers for backends, not ops:
 ``host_tensor_from_ptr`` (zero-copy view of a host address), ``is_pointer_tensor`` and
 ``infer_pointer_dtype`` (recognising pointer operands and their KV dtype), and

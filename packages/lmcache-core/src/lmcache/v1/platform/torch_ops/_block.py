@@ -4,7 +4,8 @@ Every format is normalised to a list of *planes*: one engine tensor view per
 (k_or_v, layer[, plane]) whose first axis is the block axis, plus where its rows go in
 the host chunk (viewed as ``[KV, NL, T, W]``). NHD planes are ``[NB, BS, w]`` and move
 with one ``index_select``/``index_copy_`` per plane and chunk; HND planes are
-``[NB, NH, BS, x]`` and are permuted so each host row is head-major (platform.md §1.4).
+``[NB, NH, BS, x]`` and are permuted so each host row is head-major
+(docs/design/storage-formats.md#host-chunk).
 
 Runs of consecutive block ids (what an engine hands out for a fresh prompt) move as
 slices instead: one strided ``copy_`` per run and layer, the K and V planes of a layer
@@ -45,7 +46,8 @@ _ELEMENT_DTYPES = {1: torch.uint8, 2: torch.float16, 4: torch.float32}
 
 
 def is_pointer_tensor(paged: Any) -> bool:
-    """True for pointer operands (platform.md §3.5): a 1-D int64/uint64 tensor of addresses."""
+    """True for pointer operands (docs/design/platform.md#operand-mode): a 1-D int64/uint64 tensor
+    of addresses."""
     return (
         isinstance(paged, torch.Tensor)
         and paged.dim() == 1
@@ -240,7 +242,7 @@ def _prod(dims: Any) -> int:
 def _pointer_tensors(
     ptrs: torch.Tensor, fmt: EngineKVFormat, sd: Any, dtype: torch.dtype, device: Any
 ) -> Any:
-    """Rebuild paged tensors from device addresses (platform.md §4.3 (e))."""
+    """Rebuild paged tensors from device addresses (docs/design/platform.md#block-transfer)."""
     from lmcache.v1.platform.torch_ops._memory import _tensor_from_ptr
 
     if is_kv_second_tuple(fmt):

@@ -1,4 +1,5 @@
-"""``multi_layer_kv_transfer``: the legacy slot-mapping copy (platform.md §4.4).
+"""``multi_layer_kv_transfer``: the legacy slot-mapping copy
+(docs/design/platform.md#legacy-transfer).
 
 Each layer is normalised to a ``[KV, NB, BS, NH, x]``-ordered view (HND layouts are
 permuted views), so one advanced-index gather/scatter per layer serves every format.

@@ -12,7 +12,8 @@ from lmcache.v1.platform.base.active import active_platform
 
 
 def calculate_cdf(input_tensor: torch.Tensor, num_bins: int) -> torch.Tensor:
-    """Per (layer, channel) 16-bit CDF of symbol ids over tokens (platform.md §4.8)."""
+    """Per (layer, channel) 16-bit CDF of symbol ids over tokens
+    (docs/design/platform.md#calculate-cdf)."""
     num_bins = int(num_bins)
     if num_bins <= 0:
         raise ValueError(f"num_bins={num_bins} must be > 0")
