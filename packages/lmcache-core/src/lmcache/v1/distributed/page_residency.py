@@ -53,14 +53,29 @@ def lower_thread_priority() -> None:
 def is_resident(ptr: int, length: int) -> bool:
     """Whether every page of [ptr, ptr + length) is in memory (``mincore``), without faulting
     any in. For a shared mapping this tells whether its owner has backed those pages."""
+    raw = _residency(ptr, length)
+    return raw.count(1) == len(raw)
+
+
+def resident_regions(ptr: int, length: int, region: int) -> list[bool]:
+    """For each ``region``-byte piece of [ptr, ptr + length) (``ptr`` and ``region`` page
+    aligned), whether all its pages are in memory: one ``mincore`` for the whole range, so a
+    background thread walking a large pool takes the GIL a few times, not twice per region
+    (each take can wait behind a low-priority thread that holds it)."""
+    raw = _residency(ptr, length)
+    per = region // mmap.PAGESIZE
+    full = b"\x01" * per
+    return [raw[i : i + per] == full[: len(raw[i : i + per])] for i in range(0, len(raw), per)]
+
+
+def _residency(ptr: int, length: int) -> bytes:
     start = ptr - ptr % mmap.PAGESIZE
     n = length + ptr - start
     vec = (ctypes.c_ubyte * (-(-n // mmap.PAGESIZE)))()
     if _libc().mincore(ctypes.c_void_p(start), ctypes.c_size_t(n), vec):
         err = ctypes.get_errno()
         raise OSError(err, f"mincore: {os.strerror(err)}")
-    raw = bytes(vec)
-    return raw.count(1) == len(raw)
+    return bytes(vec)  # 1 per resident page (the other bits are reserved, 0)
 
 
 def _populate(ptr: int, length: int, advice: int | None, what: str) -> None:
