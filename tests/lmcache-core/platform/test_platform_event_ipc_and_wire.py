@@ -252,6 +252,28 @@ def test_wrap_copies_a_small_buffer_once_and_moves_every_wrapped_layer_onto_it()
         wrappers[0].unlink()
 
 
+def test_a_new_tensor_where_a_copied_one_was_gets_its_own_segment_and_data():
+    """A small buffer copied into a segment frees its old memory; a new tensor the
+    allocator places at that old address must not be taken for the copied one (it would be
+    moved onto the old segment without its own data)."""
+    first = torch.full((16, 1024), 1.0)
+    w_first = CpuShmTensorWrapper.wrap(first)
+    wrappers = [w_first]
+    try:
+        for value in range(2, 22):  # the allocator soon hands the freed chunk out again
+            t = torch.full((16, 1024), float(value))
+            w = CpuShmTensorWrapper.wrap(t)
+            wrappers.append(w)
+            assert w.shm_name != w_first.shm_name
+            peers, server = _peer_views([w])
+            assert torch.equal(server[0], torch.full((16, 1024), float(value)))
+            del server
+            peers[0].close()
+    finally:
+        for w in wrappers:
+            w.unlink()
+
+
 def test_cpu_shm_wire_rejects_foreign_names_and_oversized_views():
     with pytest.raises(ValueError, match="invalid shm_name"):
         CpuShmTensorWrapper.from_wire({"shm_name": "/etc_passwd", "nbytes": 10})

@@ -56,6 +56,10 @@ class _Segment:
     shm: shared_memory.SharedMemory
     in_place: bool  # mapped over the engine's own memory (MAP_FIXED)
     storage: torch.UntypedStorage | None = None  # the copy's storage (copied segments)
+    # The storage a copied segment replaced, held so that its address, the key of _moved,
+    # cannot be reused by a new allocation while this record lives (that tensor would be
+    # moved onto this segment without its data).
+    replaced: torch.UntypedStorage | None = None
 
     def contains(self, ptr: int, nbytes: int) -> bool:
         return self.base <= ptr and ptr + nbytes <= self.base + self.nbytes
@@ -205,7 +209,7 @@ def _copy_into_segment(tensor: torch.Tensor) -> _Segment:
     new_storage = _segment_storage(shm, nbytes)
     new_storage.copy_(storage)
     seg = _Segment(
-        "/" + shm.name.lstrip("/"), new_storage.data_ptr(), nbytes, shm, False, new_storage
+        "/" + shm.name.lstrip("/"), new_storage.data_ptr(), nbytes, shm, False, new_storage, storage
     )
     with _lock:
         _segments.append(seg)
