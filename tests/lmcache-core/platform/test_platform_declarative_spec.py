@@ -202,6 +202,6 @@ def test_both_styles_are_selected_by_the_registry(spec_cls, monkeypatch, ops_mod
         install_fake_device(name, available=True, vendor_module=vendor),
         extra_device_specs(spec),
     ):
-        _module, device_type, backend = _device_detect._detect_device()
+        _module, device_type, backend = _device_detect.default_device_registry().detect()
         assert (device_type, backend) == (name, name)
         assert isinstance(resolve_device_ops(name), DeclaredOps)
