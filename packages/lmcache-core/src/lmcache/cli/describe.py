@@ -14,7 +14,6 @@ import argparse
 from typing import Any
 
 from lmcache.cli.report import Report, add_output_args
-from lmcache.cli.subcommand import add_command_parser
 
 GIB = 1024**3
 
@@ -34,15 +33,7 @@ _KERNEL_GROUP_FIELDS = (
 )
 
 
-def register(subparsers: argparse._SubParsersAction, with_flags: bool = True) -> None:
-    parser = add_command_parser(
-        subparsers,
-        "describe",
-        "show the detailed status of a running lmcache server (or engine)",
-        __doc__,
-    )
-    if not with_flags:
-        return
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("target", choices=("kvcache", "engine"), help="what to describe")
     parser.add_argument(
         "--url",

@@ -15,18 +15,9 @@ import os
 from typing import Any
 
 from lmcache.cli.errors import CLIError
-from lmcache.cli.subcommand import add_command_parser
 
 
-def register(subparsers: argparse._SubParsersAction, with_flags: bool = True) -> None:
-    parser = add_command_parser(
-        subparsers,
-        "plugins",
-        "list device backends and L2 adapter types, and plugins that failed to load",
-        __doc__,
-    )
-    if not with_flags:
-        return
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON document")
     parser.set_defaults(func=run)
 

@@ -11,18 +11,12 @@ import argparse
 import urllib.parse
 
 from lmcache.cli.report import Report, add_output_args
-from lmcache.cli.subcommand import add_command_parser
 
 DEFAULT_URL = "http://localhost:8080"
 DEFAULT_SALT = "_default"  # the server's name for the empty cache_salt in a URL
 
 
-def register(subparsers: argparse._SubParsersAction, with_flags: bool = True) -> None:
-    parser = add_command_parser(
-        subparsers, "quota", "manage per-salt cache quotas of a running lmcache server", __doc__
-    )
-    if not with_flags:
-        return
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     actions = parser.add_subparsers(dest="quota_target", metavar="ACTION", required=True)
     salt_help = "the cache_salt; '_default' for un-salted traffic"
     for name, help_text, func in (
