@@ -111,10 +111,10 @@ def test_rocm_overrides_only_what_differs():
     assert isinstance(spec, CudaFamilyDeviceSpec)
     assert (spec.device_type, spec.backend_name, spec.torch_module_name) == ("cuda", "rocm", "cuda")
     assert {n for n in RocmDeviceSpec.__dict__ if not n.startswith("__")} <= {
-        "backend_name",
+        "name",
         "is_available",
-        "pin_memory_backend",
-        "ops_cls",
+        "pin_memory_class",
+        "ops_class",
     }
     assert spec.pin_memory_backend is RocmPinMemoryBackend
     assert RocmDeviceOps.native_module_name == "lmcache.devices.rocm.cuda_ops"

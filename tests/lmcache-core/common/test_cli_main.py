@@ -63,8 +63,8 @@ def test_help_lists_every_subcommand():
         timeout=120,
     )
     assert proc.returncode == 0
-    for name, _module in cli_main.SUBCOMMANDS:
-        assert name in proc.stdout
+    for command in cli_main.SUBCOMMANDS:
+        assert command.name in proc.stdout
 
 
 def _parser_with(func):

@@ -192,8 +192,7 @@ def test_override_wins_over_declared_attribute():
 
 @pytest.mark.parametrize("spec_cls", [DeclaredSpec, OldStyleSpec])
 def test_both_styles_are_selected_by_the_registry(spec_cls, monkeypatch, ops_module):
-    from lmcache.v1.platform import resolve_device_ops
-    from lmcache.v1.platform._device_detect import default_device_registry
+    from lmcache.v1.platform import _device_detect, resolve_device_ops
 
     spec = spec_cls()
     name = spec.backend_name
@@ -203,6 +202,6 @@ def test_both_styles_are_selected_by_the_registry(spec_cls, monkeypatch, ops_mod
         install_fake_device(name, available=True, vendor_module=vendor),
         extra_device_specs(spec),
     ):
-        _module, device_type, backend = default_device_registry().detect()
+        _module, device_type, backend = _device_detect.default_device_registry().detect()
         assert (device_type, backend) == (name, name)
         assert isinstance(resolve_device_ops(name), DeclaredOps)

@@ -1,21 +1,6 @@
 """Newer-LMCache import path for the storage helpers (re-exports ``lmcache.lmcache_native``)."""
 
-from lmcache.lmcache_native import (
-    Bitmap,
-    PeriodicEventNotifier,
-    TTLLock,
-    fold,
-    fold_grouped,
-    unfold,
-    unfold_grouped,
-)
+from lmcache import lmcache_native
+from lmcache.lmcache_native import *  # noqa: F403  (exactly the names of its __all__)
 
-__all__ = [
-    "Bitmap",
-    "PeriodicEventNotifier",
-    "TTLLock",
-    "fold",
-    "fold_grouped",
-    "unfold",
-    "unfold_grouped",
-]
+__all__ = list(lmcache_native.__all__)

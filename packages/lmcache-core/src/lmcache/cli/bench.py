@@ -1,33 +1,42 @@
-"""``lmcache bench <target>``: benchmarks with JSON output.
+"""Benchmarks: kernels (copy ops), l2 (storage adapters), server (MP server), vllm (TTFT
+of a real vLLM).
 
-Targets live in their own modules, each exposing ``register(subparsers)``:
-``kernels`` (platform ops), ``l2`` (L2 adapters), ``server`` (the MP server), ``vllm``
-(TTFT of a real vLLM with and without the cache).
+``lmcache bench <target>`` prints JSON results; ``lmcache bench <target> --help`` lists
+the target's flags.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 
-BENCH_TARGETS: tuple[tuple[str, str], ...] = (
-    ("kernels", "lmcache.cli.bench_kernels"),
-    ("l2", "lmcache.cli.bench_l2"),
-    ("server", "lmcache.cli.bench_server"),
-    ("vllm", "lmcache.cli.bench_vllm"),
+from lmcache.cli.subcommand import Subcommand, add_subcommands
+
+# Each target has its own module (see lmcache.cli.subcommand).
+BENCH_TARGETS: tuple[Subcommand, ...] = (
+    Subcommand(
+        "kernels",
+        "lmcache.cli.bench_kernels",
+        "time multi_layer_block_kv_transfer (CPU) against a plain copy; JSON output",
+    ),
+    Subcommand(
+        "l2",
+        "lmcache.cli.bench_l2",
+        "benchmark L2 adapters (store/lookup/load throughput and latency, JSON)",
+    ),
+    Subcommand(
+        "server",
+        "lmcache.cli.bench_server",
+        "check and benchmark a running lmcache server (an engine simulator)",
+    ),
+    Subcommand(
+        "vllm",
+        "lmcache.cli.bench_vllm",
+        "TTFT of a real vLLM: no cache, our hit, vLLM's prefix cache (JSON)",
+    ),
 )
 
 
-def register(subparsers: argparse._SubParsersAction, with_flags: bool = True) -> None:
-    parser = subparsers.add_parser(
-        "bench",
-        help="run a benchmark and print JSON results",
-        description="Benchmarks: kernels (copy ops), l2 (storage adapters), server (MP server), "
-        "vllm (TTFT of a real vLLM).",
-    )
-    if not with_flags:
-        return
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     targets = parser.add_subparsers(dest="bench_target", metavar="TARGET")
-    for _name, module_name in BENCH_TARGETS:
-        importlib.import_module(module_name).register(targets)
+    add_subcommands(targets, BENCH_TARGETS)
     parser.set_defaults(func=lambda _args: parser.print_help() or 2)

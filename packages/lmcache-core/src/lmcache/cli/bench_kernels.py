@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 from lmcache.cli.errors import CLIError
-from lmcache.cli.subcommand import add_command_parser
 
 TOKENS = 512
 LAYERS = 32
@@ -28,13 +27,7 @@ CHUNK = 256
 ENGINE_BLOCKS = 128  # the engine cache holds more blocks than one request uses
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = add_command_parser(
-        subparsers,
-        "kernels",
-        "time multi_layer_block_kv_transfer (CPU) against a plain copy; JSON output",
-        __doc__,
-    )
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", type=Path, default=None, help="also write the JSON here")
     parser.add_argument(
         "--iterations", type=int, default=20, help="timed runs per case (default 20)"

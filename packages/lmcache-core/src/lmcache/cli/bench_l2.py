@@ -29,18 +29,11 @@ import time
 from typing import Any
 
 from lmcache.cli.errors import CLIError
-from lmcache.cli.subcommand import add_command_parser
 
 OPS = ("store", "lookup", "load")
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
-    p = add_command_parser(
-        subparsers,
-        "l2",
-        "benchmark L2 adapters (store/lookup/load throughput and latency, JSON)",
-        __doc__,
-    )
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--l2-adapter",
         action="append",

@@ -38,7 +38,6 @@ from typing import Any
 from lmcache.cli.bench_baselines import _baselines
 from lmcache.cli.errors import CLIError
 from lmcache.cli.report import Report, add_output_args
-from lmcache.cli.subcommand import add_command_parser
 
 HELLO_TOKEN = 9906  # 0.5.6's filler token: its prompts and ours hash to the same keys
 DEFAULT_SHAPE_SPEC = "(2,1024,16,8,128):float16:32"
@@ -52,13 +51,7 @@ OPS = (
 INSTANCE_ID_BASE = 1000  # rank r registers instance 1000 + r, as 0.5.6's bench does
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
-    p = add_command_parser(
-        subparsers,
-        "server",
-        "check and benchmark a running lmcache server (an engine simulator)",
-        __doc__,
-    )
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rpc-url", default="tcp://localhost:5555", help="server RPC URL")
     p.add_argument(
         "--mode",

@@ -39,17 +39,13 @@ from pathlib import Path
 from typing import Any
 
 from lmcache.cli.errors import CLIError
-from lmcache.cli.subcommand import add_command_parser
 
 RUNNER = "lmcache.integration.vllm.offline_runner"
 GOAL_VS_PREFIX_HIT = 1.15
 GOAL_VS_NO_CACHE = 3.0
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
-    p = add_command_parser(
-        subparsers, "vllm", "TTFT of a real vLLM: no cache, our hit, vLLM's prefix cache", __doc__
-    )
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="model folder (default: build a random Llama)")
     p.add_argument("--layers", type=int, default=8, help="layers of the built model (default 8)")
     p.add_argument(

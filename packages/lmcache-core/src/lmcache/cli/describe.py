@@ -14,7 +14,6 @@ import argparse
 from typing import Any
 
 from lmcache.cli.report import Report, add_output_args
-from lmcache.cli.subcommand import add_command_parser
 
 GIB = 1024**3
 
@@ -33,16 +32,26 @@ _KERNEL_GROUP_FIELDS = (
     ("engine_kv_concrete_shape", "Engine KV tensor shape"),
 )
 
+_LAYOUT_FIELDS = (
+    ("num_layers", "Num layers"),
+    ("num_blocks", "Num blocks"),
+    ("cache_size_per_token", "Cache size per token (bytes)"),
+)
+_ADAPTER_FIELDS = (
+    ("backend", "Backend"),
+    ("base_path", "Base path"),
+    ("stored_object_count", "Stored objects"),
+)
 
-def register(subparsers: argparse._SubParsersAction, with_flags: bool = True) -> None:
-    parser = add_command_parser(
-        subparsers,
-        "describe",
-        "show the detailed status of a running lmcache server (or engine)",
-        __doc__,
-    )
-    if not with_flags:
-        return
+
+def _add_present(section: Any, source: dict[str, Any], fields: Any) -> None:
+    """One entry per (key, label) of ``fields`` that ``source`` has."""
+    for key, label in fields:
+        if key in source:
+            section.add(key, label, source[key])
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("target", choices=("kvcache", "engine"), help="what to describe")
     parser.add_argument(
         "--url",
@@ -118,13 +127,7 @@ def _add_models(report: Report, status: dict[str, Any]) -> None:
         sec.add("world_size", "World size", world_size)
         sec.add("gpu_ids", "GPU IDs", ", ".join(entry["ids"]))
         layout = entry["layout"] or {}
-        for key, label in (
-            ("num_layers", "Num layers"),
-            ("num_blocks", "Num blocks"),
-            ("cache_size_per_token", "Cache size per token (bytes)"),
-        ):
-            if key in layout:
-                sec.add(key, label, layout[key])
+        _add_present(sec, layout, _LAYOUT_FIELDS)
         for group in layout.get("kernel_groups") or []:
             kg = report.section(
                 f"model_{idx}_kg_{group.get('kernel_group_idx')}",
@@ -132,9 +135,7 @@ def _add_models(report: Report, status: dict[str, Any]) -> None:
                 group="kernel_groups",
             )
             kg.add("model", "Model", model)
-            for key, label in _KERNEL_GROUP_FIELDS:
-                if key in group:
-                    kg.add(key, label, group[key])
+            _add_present(kg, group, _KERNEL_GROUP_FIELDS)
 
 
 def _add_l2_adapters(report: Report, adapters: list[Any]) -> None:
@@ -143,13 +144,7 @@ def _add_l2_adapters(report: Report, adapters: list[Any]) -> None:
         sec = report.section(f"l2_{idx}", f"L2: {kind}", group="l2_adapters")
         sec.add("type", "Type", kind)
         sec.add("health", "Health", _health(adapter.get("is_healthy")))
-        for key, label in (
-            ("backend", "Backend"),
-            ("base_path", "Base path"),
-            ("stored_object_count", "Stored objects"),
-        ):
-            if key in adapter:
-                sec.add(key, label, adapter[key])
+        _add_present(sec, adapter, _ADAPTER_FIELDS)
         cap, used = adapter.get("max_capacity_bytes"), adapter.get("current_size_bytes")
         if cap is not None and used is not None:
             pct = used / cap * 100 if cap > 0 else 0.0

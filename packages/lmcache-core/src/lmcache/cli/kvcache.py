@@ -13,7 +13,6 @@ import urllib.parse
 
 from lmcache.cli.errors import CLIError
 from lmcache.cli.report import Report, add_output_args
-from lmcache.cli.subcommand import add_command_parser
 
 _OBJECT_COLUMNS = (
     ("chunk_hash_hex", "Chunk hash"),
@@ -25,15 +24,7 @@ _OBJECT_COLUMNS = (
 )
 
 
-def register(subparsers: argparse._SubParsersAction, with_flags: bool = True) -> None:
-    parser = add_command_parser(
-        subparsers,
-        "kvcache",
-        "manage the KV cache of a running lmcache server (clear, list objects)",
-        __doc__,
-    )
-    if not with_flags:
-        return
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_output_args(parser)
     actions = parser.add_subparsers(dest="action", metavar="ACTION")
     clear = actions.add_parser("clear", help="clear all cached KV data in L1 (CPU)")

@@ -1,32 +1,54 @@
 """``lmcache`` console script: dispatches to one module per subcommand.
 
-Each subcommand module exposes ``register(subparsers, with_flags)``; the parser it adds
-sets ``func`` (a callable taking the parsed namespace and returning an exit code). Without
-``with_flags`` it adds only its name and one-line help (see ``build_parser``).
+Each subcommand is a row of ``SUBCOMMANDS`` (see ``lmcache.cli.subcommand``); its module's
+``add_arguments(parser)`` adds the flags and sets ``func`` (a callable taking the parsed
+namespace and returning an exit code).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import sys
 import traceback
 from collections.abc import Sequence
 
 from lmcache.cli.errors import CLIError
+from lmcache.cli.subcommand import Subcommand, add_subcommands
 from lmcache.v1.errors import LMCacheError
 
-# (subcommand, module). Order is the order shown by ``lmcache --help``.
-SUBCOMMANDS: tuple[tuple[str, str], ...] = (
-    ("server", "lmcache.cli.server"),
-    ("ping", "lmcache.cli.ping"),
-    ("describe", "lmcache.cli.describe"),
-    ("kvcache", "lmcache.cli.kvcache"),
-    ("quota", "lmcache.cli.quota"),
-    ("query", "lmcache.cli.query"),
-    ("bench", "lmcache.cli.bench"),
-    ("plugins", "lmcache.cli.plugins"),
+# Order is the order shown by ``lmcache --help``.
+SUBCOMMANDS: tuple[Subcommand, ...] = (
+    Subcommand("server", "lmcache.cli.server", "run the multiprocess KV-cache server"),
+    Subcommand(
+        "ping",
+        "lmcache.cli.ping",
+        "check that an lmcache server (or an engine) answers, and the round trip",
+    ),
+    Subcommand(
+        "describe",
+        "lmcache.cli.describe",
+        "show the detailed status of a running lmcache server (or engine)",
+    ),
+    Subcommand(
+        "kvcache",
+        "lmcache.cli.kvcache",
+        "manage the KV cache of a running lmcache server (clear, list objects)",
+    ),
+    Subcommand(
+        "quota", "lmcache.cli.quota", "manage per-salt cache quotas of a running lmcache server"
+    ),
+    Subcommand(
+        "query",
+        "lmcache.cli.query",
+        "run one request (an inference, a cache lookup) and report metrics",
+    ),
+    Subcommand("bench", "lmcache.cli.bench", "run a benchmark and print JSON results"),
+    Subcommand(
+        "plugins",
+        "lmcache.cli.plugins",
+        "list device backends and L2 adapter types, and plugins that failed to load",
+    ),
 )
 
 
@@ -40,9 +62,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         description="LMCache-compatible KV-cache layer for LLM serving engines.",
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, module_name in SUBCOMMANDS:
-        module = importlib.import_module(module_name)
-        module.register(subparsers, with_flags=command is None or command == name)
+    add_subcommands(subparsers, SUBCOMMANDS, lambda name: command is None or command == name)
     return parser
 
 

@@ -16,7 +16,6 @@ import time
 
 from lmcache.cli.errors import CLIError
 from lmcache.cli.report import Report, add_output_args
-from lmcache.cli.subcommand import add_command_parser
 
 _HTTP_TARGETS = {
     "kvcache": ("/healthcheck", "Ping KV Cache"),
@@ -24,15 +23,7 @@ _HTTP_TARGETS = {
 }
 
 
-def register(subparsers: argparse._SubParsersAction, with_flags: bool = True) -> None:
-    parser = add_command_parser(
-        subparsers,
-        "ping",
-        "check that an lmcache server (or an engine) answers, and the round trip",
-        __doc__,
-    )
-    if not with_flags:
-        return
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "target", choices=("kvcache", "engine", "rpc"), help="what to ping (rpc: ours, ZeroMQ)"
     )

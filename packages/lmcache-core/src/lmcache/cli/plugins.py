@@ -15,18 +15,9 @@ import os
 from typing import Any
 
 from lmcache.cli.errors import CLIError
-from lmcache.cli.subcommand import add_command_parser
 
 
-def register(subparsers: argparse._SubParsersAction, with_flags: bool = True) -> None:
-    parser = add_command_parser(
-        subparsers,
-        "plugins",
-        "list device backends and L2 adapter types, and plugins that failed to load",
-        __doc__,
-    )
-    if not with_flags:
-        return
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON document")
     parser.set_defaults(func=run)
 
@@ -120,6 +111,24 @@ def _source_text(b: dict[str, Any]) -> str:
     return b["source"]
 
 
+def _print_list(title: str, lines: list[str], empty: str) -> None:
+    print(title)
+    for line in lines or [empty]:
+        print(f"  {line}")
+
+
+def _failure_lines(failures: list[dict[str, Any]]) -> list[str]:
+    return [f"{f['name']} = {f['value']}: {f['reason']}" for f in failures]
+
+
+def _l2_type_line(t: dict[str, Any]) -> str:
+    aliases = f" (aliases: {', '.join(t.get('aliases') or [])})" if t.get("aliases") else ""
+    origin = t.get("source", "?")
+    if t.get("distribution"):
+        origin += f", {t['distribution']}" + (f" {t['version']}" if t.get("version") else "")
+    return f"{t.get('name')}{aliases}: {origin}"
+
+
 def _print_text(report: dict[str, Any]) -> None:
     print("Device backends (entry-point group lmcache.device_plugins):")
     rows = [("BACKEND", "DEVICE_TYPE", "AVAILABLE", "SELECTED", "SOURCE")]
@@ -136,25 +145,17 @@ def _print_text(report: dict[str, Any]) -> None:
     sel = report["selected_device"]
     print(f"Selected: {sel.get('backend') or '<none>'} ({sel['reason']})")
     print()
-    print("Failed device plugins:")
-    if not report["failed_device_plugins"]:
-        print("  (none)")
-    for f in report["failed_device_plugins"]:
-        print(f"  {f['name']} = {f['value']}: {f['reason']}")
+    _print_list("Failed device plugins:", _failure_lines(report["failed_device_plugins"]), "(none)")
     print()
-    print("L2 adapter types (entry-point group lmcache.l2_adapters):")
-    if not report["l2_adapter_types"]:
-        print("  (none listed)")
-    for t in report["l2_adapter_types"]:
-        aliases = f" (aliases: {', '.join(t.get('aliases') or [])})" if t.get("aliases") else ""
-        origin = t.get("source", "?")
-        if t.get("distribution"):
-            origin += f", {t['distribution']}" + (f" {t['version']}" if t.get("version") else "")
-        print(f"  {t.get('name')}{aliases}: {origin}")
+    _print_list(
+        "L2 adapter types (entry-point group lmcache.l2_adapters):",
+        [_l2_type_line(t) for t in report["l2_adapter_types"]],
+        "(none listed)",
+    )
     if report["failed_l2_adapter_plugins"]:
-        print("Failed L2 adapter plugins:")
-        for f in report["failed_l2_adapter_plugins"]:
-            print(f"  {f['name']} = {f['value']}: {f['reason']}")
+        _print_list(
+            "Failed L2 adapter plugins:", _failure_lines(report["failed_l2_adapter_plugins"]), ""
+        )
     for note in report["notes"]:
         print(f"note: {note}")
 

@@ -28,7 +28,6 @@ from typing import Any
 
 from lmcache.cli.errors import CLIError
 from lmcache.cli.report import Report, add_output_args
-from lmcache.cli.subcommand import add_command_parser
 
 _PLACEHOLDER = re.compile(r"\{(\w+)\}")
 _COORDINATOR_APIS = (
@@ -44,15 +43,7 @@ _COORDINATOR_APIS = (
 )
 
 
-def register(subparsers: argparse._SubParsersAction, with_flags: bool = True) -> None:
-    parser = add_command_parser(
-        subparsers,
-        "query",
-        "run one request (an inference, a cache lookup) and report metrics",
-        __doc__,
-    )
-    if not with_flags:
-        return
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     targets = parser.add_subparsers(dest="query_target", metavar="TARGET", required=True)
 
     engine = targets.add_parser("engine", help="send one request to an OpenAI-compatible API")

@@ -9,20 +9,15 @@ from __future__ import annotations
 
 import argparse
 import urllib.parse
+from typing import Any
 
 from lmcache.cli.report import Report, add_output_args
-from lmcache.cli.subcommand import add_command_parser
 
 DEFAULT_URL = "http://localhost:8080"
 DEFAULT_SALT = "_default"  # the server's name for the empty cache_salt in a URL
 
 
-def register(subparsers: argparse._SubParsersAction, with_flags: bool = True) -> None:
-    parser = add_command_parser(
-        subparsers, "quota", "manage per-salt cache quotas of a running lmcache server", __doc__
-    )
-    if not with_flags:
-        return
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     actions = parser.add_subparsers(dest="quota_target", metavar="ACTION", required=True)
     salt_help = "the cache_salt; '_default' for un-salted traffic"
     for name, help_text, func in (
@@ -57,40 +52,49 @@ def _salt_url(args: argparse.Namespace) -> tuple[str, str]:
 
 
 def _set(args: argparse.Namespace) -> int:
-    from lmcache.cli.http_client import call
-
-    salt, url = _salt_url(args)
-    result = call("PUT", url, {"limit_gb": args.limit_gb}) or {}
-    report = Report("Quota Set")
-    report.add("cache_salt", "Cache salt", result.get("cache_salt", salt))
-    report.add("limit_gb", "Limit (GB)", result.get("limit_gb", args.limit_gb))
-    report.add("status", "Status", result.get("status", "ok"))
-    report.emit(args)
-    return 0
+    return _call_and_report(
+        args,
+        "PUT",
+        "Quota Set",
+        (("limit_gb", "Limit (GB)", args.limit_gb), ("status", "Status", "ok")),
+        {"limit_gb": args.limit_gb},
+    )
 
 
 def _get(args: argparse.Namespace) -> int:
-    from lmcache.cli.http_client import call
-
-    salt, url = _salt_url(args)
-    result = call("GET", url) or {}
-    report = Report("Quota Info")
-    report.add("cache_salt", "Cache salt", result.get("cache_salt", salt))
-    report.add("limit_gb", "Limit (GB)", result.get("limit_gb"))
-    report.add("current_usage_gb", "Current usage (GB)", result.get("current_usage_gb"))
-    report.add("exists", "Exists", result.get("exists"))
-    report.emit(args)
-    return 0
+    return _call_and_report(
+        args,
+        "GET",
+        "Quota Info",
+        (
+            ("limit_gb", "Limit (GB)", None),
+            ("current_usage_gb", "Current usage (GB)", None),
+            ("exists", "Exists", None),
+        ),
+    )
 
 
 def _delete(args: argparse.Namespace) -> int:
+    return _call_and_report(args, "DELETE", "Quota Delete", (("status", "Status", "unknown"),))
+
+
+def _call_and_report(
+    args: argparse.Namespace,
+    method: str,
+    title: str,
+    fields: tuple[tuple[str, str, Any], ...],
+    body: Any = None,
+) -> int:
+    """One request on the salt's quota; the reply's cache_salt and ``fields`` (key, label,
+    value when the reply lacks it) as a report."""
     from lmcache.cli.http_client import call
 
     salt, url = _salt_url(args)
-    result = call("DELETE", url) or {}
-    report = Report("Quota Delete")
+    result = call(method, url, body) or {}
+    report = Report(title)
     report.add("cache_salt", "Cache salt", result.get("cache_salt", salt))
-    report.add("status", "Status", result.get("status", "unknown"))
+    for key, label, default in fields:
+        report.add(key, label, result.get(key, default))
     report.emit(args)
     return 0
 

@@ -23,18 +23,14 @@ from lmcache.cli.server_flags import (
     validate_args,
 )
 
-__all__ = ["add_server_args", "build_configs", "default_shm_name", "register", "run"]
+__all__ = ["add_server_args", "build_configs", "default_shm_name", "add_arguments", "run"]
 
 
-def register(subparsers: argparse._SubParsersAction, with_flags: bool = True) -> None:
-    parser = subparsers.add_parser(
-        "server",
-        help="run the multiprocess KV-cache server",
-        description=__doc__,
-        formatter_class=HelpFormatter,
-    )
-    if not with_flags:
-        return
+# Its flag table needs the wider help column and the defaults shown.
+HELP_FORMATTER = HelpFormatter
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_server_args(parser)
     one_line_parse_errors(parser)
     parser.set_defaults(func=run)

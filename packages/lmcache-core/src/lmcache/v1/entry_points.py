@@ -8,8 +8,10 @@ that one entry point a :class:`FailedPlugin` (logged with the reason, listed by
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata as md
-from collections.abc import Callable, Iterable
+import threading
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -115,3 +117,32 @@ def load_entry_point_group(
         else:
             loaded.append(result)
     return loaded, failed
+
+
+class ProcessDefault(Generic[T]):
+    """The one registry a process uses, created on first use; tests swap in their own.
+
+    ``get()`` builds it with ``factory`` on the first call; ``use(obj)`` makes ``obj`` the
+    default for a ``with`` block and restores the previous one after it.
+    """
+
+    def __init__(self, factory: Callable[[], T]) -> None:
+        self._factory = factory
+        self._lock = threading.Lock()
+        self._value: T | None = None
+
+    def get(self) -> T:
+        with self._lock:
+            if self._value is None:
+                self._value = self._factory()
+            return self._value
+
+    @contextlib.contextmanager
+    def use(self, value: T) -> Iterator[T]:
+        with self._lock:
+            previous, self._value = self._value, value
+        try:
+            yield value
+        finally:
+            with self._lock:
+                self._value = previous

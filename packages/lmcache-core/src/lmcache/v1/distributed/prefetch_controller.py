@@ -9,6 +9,12 @@ reserve staging buffers, load, admit, fold again and publish a ``PrefetchResult`
 Deadlines (IMPROVE): a lookup or load past its deadline is a miss; its late result is
 cleaned up by the poller (unlock found keys; delete staging, unpin, unlock). Three expiries in
 a row suspend an adapter from prefetch for 30 s.
+
+Why one module of ~780 lines: ``PrefetchController`` and ``_RequestRun`` (one request's
+lookup, plan, reserve and load steps) share the waiter table and the adapter slots under
+the controller's lock (``_RequestRun`` takes ``ctl._mu`` and fills ``ctl._waiters``);
+together, that lock's rules stay in one file. The seam if it grows: ``_RequestRun`` into
+a module of its own, with the waiter table behind methods of the controller.
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ Store: ``select_store_targets(keys, adapter_descriptors) -> {adapter_index: keys
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 from lmcache.v1.distributed.api import ObjectKey
 
@@ -81,46 +82,60 @@ class RetainPrefetchPolicy(PrefetchPolicy):
         return True
 
 
-_STORE: dict[str, type[StorePolicy]] = {"default": DefaultStorePolicy, "skip_l1": SkipL1StorePolicy}
-_PREFETCH: dict[str, type[PrefetchPolicy]] = {
-    "default": DefaultPrefetchPolicy,
-    "retain": RetainPrefetchPolicy,
-}
+P = TypeVar("P")
+
+
+class _PolicyTable(Generic[P]):
+    """Policy classes by name, for one kind of policy (``store`` or ``prefetch``)."""
+
+    def __init__(self, kind: str, classes: dict[str, type[P]]) -> None:
+        self.kind = kind
+        self._classes = dict(classes)
+
+    def register(self, name: str, cls: type[P]) -> None:
+        if name in self._classes:
+            raise ValueError(f"{self.kind} policy already registered: {name!r}")
+        self._classes[name] = cls
+
+    def names(self) -> list[str]:
+        return sorted(self._classes)
+
+    def create(self, name: str) -> P:
+        try:
+            return self._classes[name]()
+        except KeyError:
+            raise ValueError(
+                f"unknown {self.kind} policy {name!r}. Known: {', '.join(self.names())}"
+            ) from None
+
+
+_STORE: _PolicyTable[StorePolicy] = _PolicyTable(
+    "store", {"default": DefaultStorePolicy, "skip_l1": SkipL1StorePolicy}
+)
+_PREFETCH: _PolicyTable[PrefetchPolicy] = _PolicyTable(
+    "prefetch", {"default": DefaultPrefetchPolicy, "retain": RetainPrefetchPolicy}
+)
 
 
 def register_store_policy(name: str, cls: type[StorePolicy]) -> None:
-    if name in _STORE:
-        raise ValueError(f"store policy already registered: {name!r}")
-    _STORE[name] = cls
+    _STORE.register(name, cls)
 
 
 def get_registered_store_policies() -> list[str]:
-    return sorted(_STORE)
+    return _STORE.names()
 
 
 def create_store_policy(name: str) -> StorePolicy:
-    try:
-        return _STORE[name]()
-    except KeyError:
-        raise ValueError(
-            f"unknown store policy {name!r}. Known: {', '.join(sorted(_STORE))}"
-        ) from None
+    return _STORE.create(name)
 
 
 def register_prefetch_policy(name: str, cls: type[PrefetchPolicy]) -> None:
-    if name in _PREFETCH:
-        raise ValueError(f"prefetch policy already registered: {name!r}")
-    _PREFETCH[name] = cls
+    _PREFETCH.register(name, cls)
 
 
 def get_registered_prefetch_policies() -> list[str]:
-    return sorted(_PREFETCH)
+    return _PREFETCH.names()
 
 
 def create_prefetch_policy(name: str) -> PrefetchPolicy:
-    try:
-        return _PREFETCH[name]()
-    except KeyError:
-        raise ValueError(
-            f"unknown prefetch policy {name!r}. Known: {', '.join(sorted(_PREFETCH))}"
-        ) from None
+    return _PREFETCH.create(name)

@@ -16,12 +16,12 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from lmcache.utils import init_logger
-from lmcache.v1.entry_points import entry_points_of, load_entry_point_group
+from lmcache.v1.entry_points import ProcessDefault, entry_points_of, load_entry_point_group
 from lmcache.v1.errors import DeviceBackendError, PluginError
 from lmcache.v1.platform.base.device_spec import DeviceSpec
 
@@ -468,30 +468,19 @@ class DeviceRegistry:
 
 # ---- the default registry and the 0.5.6 module-level functions --------------------------
 
-_default_lock = threading.Lock()
-_default: DeviceRegistry | None = None
+_default: ProcessDefault[DeviceRegistry] = ProcessDefault(DeviceRegistry)
 
 
 def default_device_registry() -> DeviceRegistry:
     """The registry this process uses (created on first use)."""
-    global _default
-    with _default_lock:
-        if _default is None:
-            _default = DeviceRegistry()
-        return _default
+    return _default.get()
 
 
-@contextlib.contextmanager
-def use_device_registry(registry: DeviceRegistry) -> Iterator[DeviceRegistry]:
-    """Make ``registry`` the default for the duration (tests)."""
-    global _default
-    with _default_lock:
-        previous, _default = _default, registry
-    try:
-        yield registry
-    finally:
-        with _default_lock:
-            _default = previous
+def use_device_registry(
+    registry: DeviceRegistry,
+) -> contextlib.AbstractContextManager[DeviceRegistry]:
+    """Make ``registry`` the default for the duration of a ``with`` block (tests)."""
+    return _default.use(registry)
 
 
 def failed_device_plugins() -> list[tuple[str, str, str]]:

@@ -26,10 +26,14 @@ def get_ipc_policy() -> IPCPolicy:
     return _policy
 
 
-def set_isolated_ipc(value: bool) -> None:
+def _update(**changes: bool) -> None:
     global _policy
     with _lock:
-        _policy = replace(_policy, isolated_ipc=bool(value))
+        _policy = replace(_policy, **changes)
+
+
+def set_isolated_ipc(value: bool) -> None:
+    _update(isolated_ipc=bool(value))
 
 
 def is_isolated_ipc() -> bool:
@@ -37,9 +41,7 @@ def is_isolated_ipc() -> bool:
 
 
 def set_use_vmm_api(value: bool) -> None:
-    global _policy
-    with _lock:
-        _policy = replace(_policy, use_vmm_api=bool(value))
+    _update(use_vmm_api=bool(value))
 
 
 def is_use_vmm_api() -> bool:

@@ -30,6 +30,8 @@ def _load_client_class() -> Any:
 
 
 class FSNativeL2Adapter(NativeConnectorL2Adapter):
+    replay_known_keys = True  # recovered or stored keys reach late listeners
+
     # Publish through unnamed O_TMPFILE inodes where the filesystem supports them (the client
     # probes); False forces named temp files, as on filesystems without O_TMPFILE.
     allow_tmpfile = True
@@ -65,13 +67,6 @@ class FSNativeL2Adapter(NativeConnectorL2Adapter):
             daemon=True,
         )
         self._scan_thread.start()
-
-    def register_listener(self, listener: Any) -> None:
-        """Also replays the keys already known to the new listener (see FSL2Adapter)."""
-        super().register_listener(listener)
-        known = self.known_key_sizes()
-        if known:
-            listener.on_l2_keys_stored([k for k, _ in known], [s for _, s in known])
 
     def _status(self) -> dict[str, Any]:
         return {

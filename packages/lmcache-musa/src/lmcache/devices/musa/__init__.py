@@ -8,14 +8,9 @@ context, which are not implemented yet (LATER): until then the flag stays False.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
 
 from lmcache.v1.platform.base.device_spec import DeviceSpec
 from lmcache.v1.platform.transfer_mode import MPTransferMode
-
-if TYPE_CHECKING:
-    from lmcache.v1.platform.base.device_ops import DeviceOps
-    from lmcache.v1.platform.base.pin_memory import PinMemoryBackend
 
 __all__ = ["MusaDeviceSpec"]
 
@@ -24,24 +19,13 @@ _TRUE = {"1", "true", "yes", "on"}
 
 
 class MusaDeviceSpec(DeviceSpec):
-    @property
-    def device_type(self) -> str:
-        return "musa"
+    name = "musa"
+    ops_class = "lmcache.devices.musa.device_ops:MusaDeviceOps"
+    stream_handle_attr = "musa_stream"
+    pin_memory_class = "lmcache.devices.musa.pin_memory:MusaPinMemoryBackend"
 
-    @property
-    def backend_name(self) -> str:
-        return "musa"
-
-    @property
-    def torch_module_name(self) -> str:
-        return "musa"
-
-    @property
-    def ops_cls(self) -> type[DeviceOps]:
-        from lmcache.devices.musa.device_ops import MusaDeviceOps
-
-        return MusaDeviceOps
-
+    # torch_musa is optional here (a torch build may register torch.musa itself), so the
+    # declarative vendor_module, whose import failure means unavailable, does not fit.
     def is_available(self) -> bool:
         try:
             import torch
@@ -53,9 +37,6 @@ class MusaDeviceSpec(DeviceSpec):
             return hasattr(torch, "musa") and bool(torch.musa.is_available())
         except Exception:
             return False
-
-    def get_stream_handle(self, stream: Any) -> int:
-        return int(stream.musa_stream)
 
     def handle_transfer_prerequisites(self) -> bool:
         """Opt-in env var set, and torch_musa offers memory IPC and event IPC."""
@@ -87,9 +68,3 @@ class MusaDeviceSpec(DeviceSpec):
 
     def default_mp_transfer_mode(self) -> MPTransferMode:
         return MPTransferMode.ENGINE_DRIVEN
-
-    @property
-    def pin_memory_backend(self) -> type[PinMemoryBackend]:
-        from lmcache.devices.musa.pin_memory import MusaPinMemoryBackend
-
-        return MusaPinMemoryBackend

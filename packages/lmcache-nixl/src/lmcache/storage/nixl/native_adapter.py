@@ -32,6 +32,8 @@ SCAN_BATCH = 1024
 
 
 class NixlNativeL2Adapter(NativeConnectorL2Adapter):
+    replay_known_keys = True  # recovered or stored keys reach late listeners
+
     def __init__(self, config: NixlNativeL2AdapterConfig, l1_memory_desc: Any) -> None:
         arena = Arena(l1_memory_desc, "nixl_native")
         self._cfg = config
@@ -102,13 +104,6 @@ class NixlNativeL2Adapter(NativeConnectorL2Adapter):
             logger.warning("nixl_native: start-up scan of %s failed: %s", root, exc)
         finally:
             self._scan_state["done"] = True
-
-    def register_listener(self, listener: Any) -> None:
-        """Also replays the keys already known (recovered or stored) to the new listener."""
-        super().register_listener(listener)
-        known = self.known_key_sizes()
-        if known:
-            listener.on_l2_keys_stored([k for k, _ in known], [s for _, s in known])
 
     def _status(self) -> dict[str, Any]:
         c = self._connector

@@ -7,27 +7,15 @@ and the native module. CUDA and ROCm availability are mutually exclusive.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from lmcache.v1.platform.cuda_family.spec import CudaFamilyDeviceSpec
-
-if TYPE_CHECKING:
-    from lmcache.v1.platform.base.device_ops import DeviceOps
-    from lmcache.v1.platform.base.pin_memory import PinMemoryBackend
 
 __all__ = ["RocmDeviceSpec"]
 
 
 class RocmDeviceSpec(CudaFamilyDeviceSpec):
-    @property
-    def backend_name(self) -> str:
-        return "rocm"
-
-    @property
-    def ops_cls(self) -> type[DeviceOps]:
-        from lmcache.devices.rocm.device_ops import RocmDeviceOps
-
-        return RocmDeviceOps
+    name = "rocm"
+    ops_class = "lmcache.devices.rocm.device_ops:RocmDeviceOps"
+    pin_memory_class = "lmcache.devices.rocm.pin_memory:RocmPinMemoryBackend"
 
     def is_available(self) -> bool:
         try:
@@ -38,9 +26,3 @@ class RocmDeviceSpec(CudaFamilyDeviceSpec):
             )
         except Exception:
             return False
-
-    @property
-    def pin_memory_backend(self) -> type[PinMemoryBackend]:
-        from lmcache.devices.rocm.pin_memory import RocmPinMemoryBackend
-
-        return RocmPinMemoryBackend

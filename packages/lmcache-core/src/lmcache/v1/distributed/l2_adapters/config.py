@@ -47,6 +47,14 @@ GENERIC_FIELDS = frozenset(
 )
 
 
+def _optional_dict(d: dict[str, Any], key: str) -> dict[str, Any] | None:
+    """``d[key]`` when it is a dict, None when absent; anything else is an error."""
+    value = d.get(key)
+    if value is not None and not isinstance(value, dict):
+        raise ValueError(f"{key!r} must be a dict, got {type(value).__name__}")
+    return value
+
+
 @dataclass
 class PersistConfig:
     persist_enabled: bool = True
@@ -83,11 +91,9 @@ class L2AdapterConfigBase(abc.ABC):
 
     @staticmethod
     def _parse_eviction_config(d: dict[str, Any]) -> EvictionConfig | None:
-        ev = d.get("eviction")
+        ev = _optional_dict(d, "eviction")
         if ev is None:
             return None
-        if not isinstance(ev, dict):
-            raise ValueError(f"'eviction' must be a dict, got {type(ev).__name__}")
         policy = ev.get("eviction_policy")
         if policy not in ("LRU", "ARC", "IsolatedLRU", "noop"):
             raise ValueError(
@@ -105,11 +111,9 @@ class L2AdapterConfigBase(abc.ABC):
 
     @staticmethod
     def _parse_serde_config(d: dict[str, Any]) -> SerdeConfig | None:
-        s = d.get("serde")
+        s = _optional_dict(d, "serde")
         if s is None:
             return None
-        if not isinstance(s, dict):
-            raise ValueError(f"'serde' must be a dict, got {type(s).__name__}")
         if "type" not in s:
             raise ValueError("'serde' dict must include a 'type' field")
         kwargs = {k: v for k, v in s.items() if k != "type"}

@@ -159,14 +159,7 @@ class FaultInjectL2Adapter(WrappingL2Adapter):
         return status
 
 
-def _create(
-    config: L2AdapterConfigBase, l1_memory_desc: L1MemoryDesc | None
-) -> FaultInjectL2Adapter:
-    assert isinstance(config, FaultInjectL2AdapterConfig)
-    return FaultInjectL2Adapter(config, l1_memory_desc)
-
-
 @hookimpl
 def lmcache_l2_adapter_types() -> list[L2AdapterTypeSpec]:
     """Core's built-in ``fault_inject`` type (loaded by the registry like a wheel's hooks)."""
-    return [L2AdapterTypeSpec("fault_inject", FaultInjectL2AdapterConfig, _create)]
+    return [L2AdapterTypeSpec("fault_inject", FaultInjectL2AdapterConfig, FaultInjectL2Adapter)]

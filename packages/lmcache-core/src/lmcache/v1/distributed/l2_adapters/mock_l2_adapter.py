@@ -248,12 +248,7 @@ class MockL2Adapter(CompletionChannels, L2AdapterInterface):
         self._close_channels()
 
 
-def _create(config: L2AdapterConfigBase, l1_memory_desc: L1MemoryDesc | None) -> MockL2Adapter:
-    assert isinstance(config, MockL2AdapterConfig)
-    return MockL2Adapter(config, l1_memory_desc)
-
-
 @hookimpl
 def lmcache_l2_adapter_types() -> list[L2AdapterTypeSpec]:
     """Core's built-in ``mock`` type (loaded by the registry like a wheel's hooks)."""
-    return [L2AdapterTypeSpec("mock", MockL2AdapterConfig, _create)]
+    return [L2AdapterTypeSpec("mock", MockL2AdapterConfig, MockL2Adapter)]

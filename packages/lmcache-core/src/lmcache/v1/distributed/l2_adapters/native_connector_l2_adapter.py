@@ -82,6 +82,10 @@ class _Pending:
 
 
 class NativeConnectorL2Adapter(CompletionChannels, L2AdapterInterface):
+    #: Replay the keys already known (recovered at start, or stored) to a listener that
+    #: registers later, so it (an L2 eviction policy, say) sees them too.
+    replay_known_keys = False
+
     def __init__(
         self,
         native_client: Any,
@@ -387,6 +391,13 @@ class NativeConnectorL2Adapter(CompletionChannels, L2AdapterInterface):
         if fresh:
             self._notify_keys_stored([k for k, _ in fresh], [s for _, s in fresh])
         return [k for k, _ in fresh]
+
+    def register_listener(self, listener: Any) -> None:
+        """With ``replay_known_keys``, also tells the new listener the keys already known."""
+        super().register_listener(listener)
+        known = self.known_key_sizes() if self.replay_known_keys else []
+        if known:
+            listener.on_l2_keys_stored([k for k, _ in known], [s for _, s in known])
 
     def known_key_sizes(self) -> list[tuple[ObjectKey, int]]:
         """A snapshot of every key the bridge knows is stored, with its charged size (to replay

@@ -93,14 +93,11 @@ def create_native_plugin_l2_adapter(
     )
 
 
-def _create(
-    config: L2AdapterConfigBase, l1_memory_desc: L1MemoryDesc | None
-) -> NativeConnectorL2Adapter:
-    assert isinstance(config, NativePluginL2AdapterConfig)
-    return create_native_plugin_l2_adapter(config, l1_memory_desc)
-
-
 @hookimpl
 def lmcache_l2_adapter_types() -> list[L2AdapterTypeSpec]:
     """Core's built-in ``native_plugin`` type (loaded by the registry like a wheel's hooks)."""
-    return [L2AdapterTypeSpec("native_plugin", NativePluginL2AdapterConfig, _create)]
+    return [
+        L2AdapterTypeSpec(
+            "native_plugin", NativePluginL2AdapterConfig, create_native_plugin_l2_adapter
+        )
+    ]

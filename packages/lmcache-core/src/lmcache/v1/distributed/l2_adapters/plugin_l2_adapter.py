@@ -172,12 +172,7 @@ def create_plugin_l2_adapter(
     return adapt_legacy_adapter(adapter, f"{cfg.module_path}.{cfg.class_name}")
 
 
-def _create(config: L2AdapterConfigBase, l1_memory_desc: L1MemoryDesc | None) -> L2AdapterInterface:
-    assert isinstance(config, PluginL2AdapterConfig)
-    return create_plugin_l2_adapter(config, l1_memory_desc)
-
-
 @hookimpl
 def lmcache_l2_adapter_types() -> list[L2AdapterTypeSpec]:
     """Core's built-in ``plugin`` type (loaded by the registry like a wheel's hooks)."""
-    return [L2AdapterTypeSpec("plugin", PluginL2AdapterConfig, _create)]
+    return [L2AdapterTypeSpec("plugin", PluginL2AdapterConfig, create_plugin_l2_adapter)]

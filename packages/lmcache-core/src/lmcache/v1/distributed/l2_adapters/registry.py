@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import importlib
 import threading
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +35,7 @@ from lmcache.v1.distributed.l2_adapters.hookspecs import (
 )
 from lmcache.v1.entry_points import (
     FailedPlugin,
+    ProcessDefault,
     entry_points_of,
     load_entry_point,
 )
@@ -395,27 +395,16 @@ class L2AdapterRegistry:
 
 # ---- the default registry ----------------------------------------------------------------
 
-_default_lock = threading.Lock()
-_default: L2AdapterRegistry | None = None
+_default: ProcessDefault[L2AdapterRegistry] = ProcessDefault(L2AdapterRegistry)
 
 
 def default_l2_adapter_registry() -> L2AdapterRegistry:
     """The registry this process uses (created on first use)."""
-    global _default
-    with _default_lock:
-        if _default is None:
-            _default = L2AdapterRegistry()
-        return _default
+    return _default.get()
 
 
-@contextlib.contextmanager
-def use_l2_adapter_registry(registry: L2AdapterRegistry) -> Iterator[L2AdapterRegistry]:
-    """Make ``registry`` the default for the duration (tests)."""
-    global _default
-    with _default_lock:
-        previous, _default = _default, registry
-    try:
-        yield registry
-    finally:
-        with _default_lock:
-            _default = previous
+def use_l2_adapter_registry(
+    registry: L2AdapterRegistry,
+) -> contextlib.AbstractContextManager[L2AdapterRegistry]:
+    """Make ``registry`` the default for the duration of a ``with`` block (tests)."""
+    return _default.use(registry)

@@ -229,11 +229,20 @@ class SerdeL2AdapterWrapper(CompletionChannels, WrappingL2Adapter):
     # --- store -----------------------------------------------------------------------------
 
     def submit_store_task(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> L2TaskId:
+        return self._submit_task(self._start_store, keys, objects)
+
+    def _submit_task(
+        self,
+        start: Callable[[int, list[ObjectKey], list[MemoryObj]], None],
+        keys: list[ObjectKey],
+        objects: list[MemoryObj],
+    ) -> L2TaskId:
+        """A new task id now; ``start(tid, keys, objects)`` runs on the worker thread."""
         if len(keys) != len(objects):
             raise ValueError(f"keys and objects differ in length ({len(keys)} != {len(objects)})")
         tid = self._ids.next()
         keys, objects = list(keys), list(objects)
-        self._submit(lambda: self._start_store(tid, keys, objects))
+        self._submit(lambda: start(tid, keys, objects))
         return tid
 
     def _start_store(self, tid: int, keys: list[ObjectKey], objects: list[MemoryObj]) -> None:
@@ -284,12 +293,7 @@ class SerdeL2AdapterWrapper(CompletionChannels, WrappingL2Adapter):
     # --- load ----------------------------------------------------------------------------------
 
     def submit_load_task(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> L2TaskId:
-        if len(keys) != len(objects):
-            raise ValueError(f"keys and objects differ in length ({len(keys)} != {len(objects)})")
-        tid = self._ids.next()
-        keys, objects = list(keys), list(objects)
-        self._submit(lambda: self._start_load(tid, keys, objects))
-        return tid
+        return self._submit_task(self._start_load, keys, objects)
 
     def _start_load(self, tid: int, keys: list[ObjectKey], objects: list[MemoryObj]) -> None:
         tmps = _Temporaries(self._l1)

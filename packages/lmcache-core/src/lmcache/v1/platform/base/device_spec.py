@@ -166,9 +166,22 @@ class DeviceSpec:
     #: Attribute of a torch stream object that holds its raw handle (``"cuda_stream"``,
     #: ``"sycl_queue"``), used by ``get_stream_handle``.
     stream_handle_attr: ClassVar[str] = ""
+    #: ``"package.module:ClassName"`` of the ``DeviceIPCWrapper`` subclass ``ipc_wrapper_cls``
+    #: returns (empty: None, engine-driven only).
+    ipc_wrapper_class: ClassVar[str] = ""
+    #: True: ``event_ipc_backend`` is one ``DefaultEventIPCBackend`` over this spec's torch
+    #: module (CPU: the stub device), built on first use.
+    event_ipc: ClassVar[bool] = False
+    #: ``"package.module:ClassName"`` that ``create_cache_context`` builds with the
+    #: arguments it gets (empty: ``NotImplementedError``).
+    cache_context_class: ClassVar[str] = ""
+    #: ``"package.module:ClassName"`` of the ``PinMemoryBackend`` ``pin_memory_backend``
+    #: returns (empty: None, no pinning).
+    pin_memory_class: ClassVar[str] = ""
 
     _ops_cache: DeviceOps | None = None
     _pin_backend_cache: PinMemoryBackend | None = None
+    _event_backend_cache: EventIPCBackend | None = None
 
     # ---- identity ------------------------------------------------------------------
     @property
@@ -223,6 +236,20 @@ class DeviceSpec:
         except Exception:
             return f"{type(self).__name__}()"
 
+    def _declared_class(self, attribute: str) -> Any:
+        """The class a ``"package.module:ClassName"`` attribute names (imported now), or None
+        when the attribute is empty."""
+        target = getattr(type(self), attribute)
+        if not target:
+            return None
+        module_name, _, name = target.partition(":")
+        if not module_name or not name:
+            raise ValueError(
+                f"{type(self).__qualname__}.{attribute}={target!r}: expected "
+                "'package.module:ClassName'"
+            )
+        return getattr(importlib.import_module(module_name), name)
+
     # ---- ops -----------------------------------------------------------------------
     @property
     def ops_cls(self) -> type[DeviceOps]:
@@ -232,15 +259,9 @@ class DeviceSpec:
         default imports ``ops_class`` when declared, else returns the torch baseline
         ``DeviceOps``.
         """
-        target = type(self).ops_class
-        if target:
-            module_name, _, attr = target.partition(":")
-            if not module_name or not attr:
-                raise ValueError(
-                    f"{type(self).__qualname__}.ops_class={target!r}: expected "
-                    "'package.module:ClassName'"
-                )
-            return getattr(importlib.import_module(module_name), attr)
+        declared = self._declared_class("ops_class")
+        if declared is not None:
+            return declared
         from lmcache.v1.platform.base.device_ops import DeviceOps
 
         return DeviceOps
@@ -397,14 +418,27 @@ class DeviceSpec:
     def event_ipc_backend(self) -> EventIPCBackend | None:
         """Cross-process event backend (``DefaultEventIPCBackend`` fits CUDA-style
         modules), or None. Build it lazily and cache it on the instance: futures poll it
-        from several threads and it must not be rebuilt per call."""
-        return None
+        from several threads and it must not be rebuilt per call. Default with ``event_ipc``
+        declared: one ``DefaultEventIPCBackend`` over this spec's torch module."""
+        if not type(self).event_ipc:
+            return None
+        backend = self._event_backend_cache
+        if backend is None:
+            with _SINGLETON_LOCK:
+                backend = self._event_backend_cache
+                if backend is None:
+                    from lmcache.v1.platform.base.event_ipc import DefaultEventIPCBackend
+
+                    backend = DefaultEventIPCBackend(self._torch_module(), self.device_type)
+                    self._event_backend_cache = backend
+        return backend
 
     @property
     def ipc_wrapper_cls(self) -> type[DeviceIPCWrapper] | None:
         """The ``DeviceIPCWrapper`` subclass the worker wraps KV tensors with (its
-        ``wrap(tensor)`` classmethod is the factory), or None: engine-driven only."""
-        return None
+        ``wrap(tensor)`` classmethod is the factory), or None: engine-driven only. Default:
+        the declared ``ipc_wrapper_class``, else None."""
+        return self._declared_class("ipc_wrapper_class")
 
     @property
     def ipc_wire_types(self) -> tuple[type[DeviceIPCWrapper], ...]:
@@ -422,9 +456,12 @@ class DeviceSpec:
         layout_hints, engine_group_infos, engine_type, separate_object_groups,
         full_sw_kv). Import the context class lazily and forward the arguments verbatim.
         The context then belongs to that registration and is closed when the worker
-        unregisters or is reaped. Raising fails that registration only; the default raises
-        ``NotImplementedError``.
+        unregisters or is reaped. Raising fails that registration only; the default builds
+        the declared ``cache_context_class``, else raises ``NotImplementedError``.
         """
+        context_cls = self._declared_class("cache_context_class")
+        if context_cls is not None:
+            return context_cls(*args, **kwargs)
         raise NotImplementedError(
             f"DeviceSpec for device_type={self.device_type!r} does not provide a BaseCacheContext implementation."
         )
@@ -434,8 +471,9 @@ class DeviceSpec:
     def pin_memory_backend(self) -> type[PinMemoryBackend] | None:
         """A ``PinMemoryBackend`` *class* (instantiated once) that registers host memory
         with the device runtime, or None. Optional: pinning only speeds up host copies of
-        SHM staging buffers; nothing requires it."""
-        return None
+        SHM staging buffers; nothing requires it. Default: the declared
+        ``pin_memory_class``, else None."""
+        return self._declared_class("pin_memory_class")
 
     def _pin_backend(self) -> PinMemoryBackend:
         backend = self._pin_backend_cache

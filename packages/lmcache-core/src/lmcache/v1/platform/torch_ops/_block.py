@@ -16,6 +16,12 @@ Whole chunks that are adjacent slots of one buffer (an SHM pool) and whose block
 one run move together: one copy per layer for the whole request.
 
 The planes of a set of paged tensors are built once and cached while those tensors live.
+
+Why one module of ~780 lines: the plane layout and the copy loops are one algorithm; the
+copy paths (runs, whole chunks, index kernels) read ``_Plane``/``_Layout``/``_Group``
+directly, and a split would export those internals across files. The seam if it grows:
+layout building (``_Plane`` .. ``_cached_layout``) apart from copying (``transfer_blocks``
+onwards).
 """
 
 from __future__ import annotations
