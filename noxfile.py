@@ -367,7 +367,7 @@ def vllm(session: nox.Session) -> None:
     torchvision/torchaudio/torchcodec builds it pulls: they are CUDA builds for another
     torch and break `import vllm` on CPU torch (vLLM's text models never need them). A tiny
     random-weight Llama is built locally (no downloads) into $LMCACHE_TEST_CACHE (default
-    ~/.cache/lmcache-tests). About 10 minutes on 2 cores, install excluded; posargs replace
+    ~/.cache/lmcache-tests). About 7 minutes on 2 cores with a local package index; posargs replace
     the test paths. Never PyPI `lmcache` here: it would shadow our namespace.
     """
     install_torch(session)
