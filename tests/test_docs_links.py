@@ -27,6 +27,10 @@ OUTSIDE = {
     "spec file outside the repo": re.compile(
         r"\bspec/|\bDESIGN\.md|(?<![\w/-])(?<!\]\()(?:platform|protocol|storage|connector)\.md\b"
     ),
+    "numbered section of a spec outside the repo": re.compile(
+        r"\b(?:connector |storage |protocol |platform )?spec (?:sections? )?\d|"
+        r"\b(?:connector|storage|protocol|platform) spec\b|checklist of section"
+    ),
 }
 DESIGN_REF = re.compile(r"docs/design/([\w-]+\.md)(?:#([\w-]+))?")
 MD_LINK = re.compile(r"\]\(([^)#\s]*)(?:#([\w-]+))?\)")

@@ -277,7 +277,7 @@ EXPECTED_DIFFERENCES = {
     # 0.5.6 raises EOFError on an empty copy-path payload and never answers; ours says False.
     "commit_store empty payload, copy path",
     # Without the lmcache_driven module 0.5.6 has no handler for op 2 and never answers;
-    # ours acks it (unregistration is idempotent, spec 5.3), so a client does not hang.
+    # ours acks it (unregistration is idempotent), so a client does not hang.
     "unregister_kv_cache unknown id",
 }
 

@@ -391,6 +391,9 @@ class Engine:
         )
         self.num_blocks = num_blocks
         self.tp = tp
+        # what get_num_new_matched_tokens answers for a hit: vLLM's load_kv_async
+        sync = str((extra or {}).get("lmcache.mp.sync_load", "true")).lower()
+        self.load_async = sync in ("false", "0", "no", "off")
 
         def cfg(rank: int) -> VllmConfig:
             c = make_vllm_config(
@@ -532,6 +535,7 @@ class Engine:
             cached.num_computed_tokens.append(req.num_computed_tokens)
             num_sched[rid] = n
 
+        sync_loads: list[str] = []
         for rid in [] if preempted else list(self.waiting):
             req = self.requests[rid]
             if req.status == "loading":
@@ -565,12 +569,17 @@ class Engine:
                 self.scheduler.update_state_after_alloc(
                     req, KVCacheBlocks((list(req.block_ids),)), ext
                 )
-                if ext > 0:
+                if ext > 0 and _async:
                     req.status = "loading"
                     req.external_tokens = ext
                     req.num_computed_tokens = req.apc_tokens + ext
                     continue
-                req.num_computed_tokens = req.apc_tokens
+                # vLLM's synchronous external load: the workers copy the hit in this step's
+                # start_load_kv, before the forward computes the rest of the prompt.
+                req.external_tokens = ext
+                req.num_computed_tokens = req.apc_tokens + ext
+                if ext > 0:
+                    sync_loads.append(rid)
                 n = req.num_tokens - req.num_computed_tokens
             self.waiting.remove(rid)
             self.running.append(rid)
@@ -639,6 +648,16 @@ class Engine:
             KVConnectorOutput(sending_all or None, recving_all or None, errors)
         )
 
+        for rid in sync_loads:
+            req = self.requests[rid]
+            if errors & set(req.block_ids):
+                # vLLM drops this step's output and recomputes from the first bad block
+                self.load_failed.add(rid)
+                req.num_computed_tokens = req.apc_tokens
+                del num_sched[rid]
+            else:
+                self._check_loaded(req)
+
         # model outputs: advance computed tokens, sample, finish
         for rid, n in num_sched.items():
             req = self.requests[rid]
@@ -657,36 +676,7 @@ class Engine:
                 self.load_failed.add(rid)
                 req.num_computed_tokens = req.apc_tokens  # recompute what failed to load
             else:
-                ok = all(
-                    kv_matches(
-                        self.model,
-                        views,
-                        req.block_ids,
-                        self.bs,
-                        req.all_token_ids,
-                        req.apc_tokens,
-                        req.num_computed_tokens,
-                        rank,
-                    )
-                    for rank, views in enumerate(self.views)
-                )
-                self.loaded_ok[rid] = req.num_computed_tokens if ok else -1
-                if self.apc_marker is not None and req.apc_tokens:
-                    # vLLM's prefix-cache blocks must not have been overwritten by the load
-                    self.apc_intact[rid] = all(
-                        kv_matches(
-                            self.model,
-                            views,
-                            req.block_ids,
-                            self.bs,
-                            req.all_token_ids,
-                            0,
-                            req.apc_tokens,
-                            rank,
-                            offset=self.apc_marker,
-                        )
-                        for rank, views in enumerate(self.views)
-                    )
+                self._check_loaded(req)
             req.status = "loaded"
 
         for rid in sending_all:
@@ -694,6 +684,40 @@ class Engine:
             if req is not None:
                 self._free(req)
         return so
+
+    def _check_loaded(self, req: Request) -> None:
+        """Record whether the loaded range [apc, num_computed) is byte-identical on every rank
+        and (with ``apc_marker``) whether vLLM's own prefix-cache blocks stayed untouched."""
+        rid, end = req.request_id, req.apc_tokens + req.external_tokens
+        ok = all(
+            kv_matches(
+                self.model,
+                views,
+                req.block_ids,
+                self.bs,
+                req.all_token_ids,
+                req.apc_tokens,
+                end,
+                rank,
+            )
+            for rank, views in enumerate(self.views)
+        )
+        self.loaded_ok[rid] = end if ok else -1
+        if self.apc_marker is not None and req.apc_tokens:
+            self.apc_intact[rid] = all(
+                kv_matches(
+                    self.model,
+                    views,
+                    req.block_ids,
+                    self.bs,
+                    req.all_token_ids,
+                    0,
+                    req.apc_tokens,
+                    rank,
+                    offset=self.apc_marker,
+                )
+                for rank, views in enumerate(self.views)
+            )
 
     def busy(self) -> bool:
         return bool(self.waiting or self.running or self.holding)

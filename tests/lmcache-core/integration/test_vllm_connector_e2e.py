@@ -1,5 +1,5 @@
 """The connector driven in vLLM's call order against a real ``lmcache server`` process
-(connector spec 9.1 and the conformance checklist of section 10)."""
+(docs/vllm.md: lookups, loads, stores, failures and restarts)."""
 
 from __future__ import annotations
 
@@ -41,11 +41,19 @@ def server(shared_server):
 
 
 @pytest.fixture
-def engines(server):
+def engines(server, request):
+    """Engines on the shared server; ``indirect`` parametrization with "async" makes them
+    load asynchronously (``lmcache.mp.sync_load=false``, as LMCache 0.5.6)."""
     made: list[Engine] = []
+    load = getattr(request, "param", "sync")
+    # each test starts from an empty L1: the two load modes of a test use the same prompts
+    r = httpx.post(server.http_url + "/cache/clear", json={"tier": "l1", "force": True}, timeout=10)
+    assert r.status_code == 200
 
     def make(**kw) -> Engine:
         kw.setdefault("port", server.port)
+        if load == "async":
+            kw["extra"] = {"lmcache.mp.sync_load": "false", **(kw.get("extra") or {})}
         e = Engine(**kw)
         made.append(e)
         return e
@@ -55,6 +63,7 @@ def engines(server):
         e.close()
 
 
+@pytest.mark.parametrize("engines", ["sync", "async"], indirect=True)
 def test_cold_store_then_warm_hit_is_byte_identical(server, engines):
     prompt = tokens(600)
     cold = engines()
@@ -71,8 +80,8 @@ def test_cold_store_then_warm_hit_is_byte_identical(server, engines):
     warm.run()
     # The first call sends the lookup; the answer may already be in (the server may finish
     # the prefetch before the first status poll), otherwise it is "ask again later".
-    assert warm.match_results["b"][0] in ((None, True), (512, True))
-    assert warm.match_results["b"][-1] == (512, True)
+    assert warm.match_results["b"][0] in ((None, True), (512, warm.load_async))
+    assert warm.match_results["b"][-1] == (512, warm.load_async)
     assert warm.loaded_ok["b"] == 512  # every loaded token byte-identical on every rank
     assert warm.finished_results["b"] is False  # nothing new to store
     assert_no_locks(server)
@@ -100,7 +109,7 @@ def test_full_prompt_hit_reports_len_minus_one(server, engines):
     warm = engines()
     warm.add_request("full", prompt)
     warm.run()
-    assert warm.match_results["full"][-1] == (496, True)  # vLLM must compute the last token
+    assert warm.match_results["full"][-1] == (496, warm.load_async)  # vLLM must compute the last token
     assert warm.loaded_ok["full"] == 496
     assert_no_locks(server)
 
@@ -112,7 +121,7 @@ def test_partial_prefix_hit(server, engines):
     warm = engines()
     warm.add_request("b", b)
     warm.run()
-    assert warm.match_results["b"][-1] == (256, True)  # only the first chunk is shared
+    assert warm.match_results["b"][-1] == (256, warm.load_async)  # only the first chunk is shared
     assert warm.loaded_ok["b"] == 256
     assert [(r.op.start, r.op.end) for r in ops_of(warm, "STORE", "b")] == [(256, 512)]
     assert_no_locks(server)
@@ -128,6 +137,7 @@ def test_request_shorter_than_a_chunk(server, engines):
     assert_no_locks(server)
 
 
+@pytest.mark.parametrize("engines", ["sync", "async"], indirect=True)
 @pytest.mark.parametrize("apc,skip", [(256, 0), (304, 48)])
 def test_apc_overlap_retrieves_only_past_vllm_prefix_cache(server, engines, apc, skip):
     prompt = tokens(600, seed=600 + apc)
@@ -136,7 +146,7 @@ def test_apc_overlap_retrieves_only_past_vllm_prefix_cache(server, engines, apc,
     warm.apc_marker = 0.5  # the prefix-cache blocks hold recognisably different bytes
     warm.add_request("r", prompt, apc_tokens=apc)
     warm.run()
-    assert warm.match_results["r"][-1] == (512 - apc, True)
+    assert warm.match_results["r"][-1] == (512 - apc, warm.load_async)
     (op,) = ops_of(warm, "RETRIEVE", "r")
     assert (op.op.start, op.op.end, op.op.skip_first_n_tokens) == (256, 512, skip)
     assert warm.loaded_ok["r"] == 512
@@ -152,11 +162,12 @@ def test_repeat_in_the_same_engine_hits(server, engines):
     e.run()
     e.add_request("two", prompt)
     e.run()
-    assert e.match_results["two"][-1] == (512, True)
+    assert e.match_results["two"][-1] == (512, e.load_async)
     assert e.loaded_ok["two"] == 512
     assert_no_locks(server)
 
 
+@pytest.mark.parametrize("engines", ["sync", "async"], indirect=True)
 def test_preemption_flushes_and_the_request_resumes(server, engines):
     prompt = tokens(530, seed=8)
     e = engines()
@@ -172,11 +183,12 @@ def test_preemption_flushes_and_the_request_resumes(server, engines):
     e.run()
     assert e.requests["p"].status == "finished"
     # after the preemption the request looked up again and loaded what it had stored
-    assert e.match_results["p"][-1] == (512, True)
+    assert e.match_results["p"][-1] == (512, e.load_async)
     assert e.loaded_ok["p"] == 512
     assert_no_locks(server)
 
 
+@pytest.mark.parametrize("engines", ["async"], indirect=True)  # a sync load has no window
 def test_abort_while_loading_frees_locks(server, engines):
     prompt = tokens(600, seed=9)
     store_prompt(engines, prompt)
@@ -205,7 +217,7 @@ def test_locks_held_after_the_lookup_are_freed_by_request_finished(server, engin
     e = engines()
     req = e.add_request("h", prompt)
     assert wait_until(lambda: e.scheduler.get_num_new_matched_tokens(req, 0)[0] is not None)
-    assert e.scheduler.get_num_new_matched_tokens(req, 0) == (512, True)  # side-effect free
+    assert e.scheduler.get_num_new_matched_tokens(req, 0) == (512, e.load_async)  # no side effect
     assert l1_locks(server)[0] > 0  # the lookup holds read locks on the hit chunks...
     assert e.scheduler.request_finished(req, []) == (False, None)
     assert_no_locks(server)  # ...and finishing the request gives them back
@@ -260,7 +272,7 @@ def test_eager_prefetch_sends_the_lookup_on_new_request(server, engines):
     assert adapter.trackers["e"].lookup_future is not None
     warm.run()
     assert sent.count("lookup") == 1  # the scheduler's first call did not look up again
-    assert warm.match_results["e"][-1] == (512, True)
+    assert warm.match_results["e"][-1] == (512, warm.load_async)
     assert warm.loaded_ok["e"] == 512
     assert_no_locks(server)
 
@@ -285,7 +297,7 @@ def test_blocking_lookup_status_mode(server, engines):
     # the status is asked with the server-side wait, and only after the lookup
     assert "query_prefetch_status" not in sent
     assert sent.index("lookup") < sent.index("wait_prefetch_status")
-    assert warm.match_results["w"][-1] == (512, True)
+    assert warm.match_results["w"][-1] == (512, warm.load_async)
     assert warm.loaded_ok["w"] == 512
     assert_no_locks(server)
 
@@ -294,6 +306,7 @@ def l1_objects(srv) -> int:
     return int(l1_status(srv)["total_object_count"])
 
 
+@pytest.mark.parametrize("engines", ["sync", "async"], indirect=True)
 @pytest.mark.parametrize("mla", [False, True])
 def test_tp2_and_mla_tp2(server, engines, mla):
     prompt = tokens(600, seed=20 + mla)
@@ -304,11 +317,12 @@ def test_tp2_and_mla_tp2(server, engines, mla):
     warm = engines(tp=2, mla=mla)
     warm.add_request("t", prompt)
     warm.run()
-    assert warm.match_results["t"][-1] == (512, True)
+    assert warm.match_results["t"][-1] == (512, warm.load_async)
     assert warm.loaded_ok["t"] == 512  # both ranks loaded their (or the shared) KV
     assert_no_locks(server)  # MLA: 2 read shares per key, one consumed by each rank
 
 
+@pytest.mark.parametrize("engines", ["sync", "async"], indirect=True)
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 def test_lmcache_driven_mode_on_cpu_shm(server, engines, layout):
     prompt = tokens(600, seed=130 + (layout == "HND"))
@@ -458,7 +472,7 @@ def test_server_restart_degrades_then_reregisters(lmcache_server, engines, shm):
         assert e.match_results["after1"][-1] == (0, False)  # the restarted L1 is empty
         e.add_request("after2", prompt)
         e.run()
-        assert e.match_results["after2"][-1] == (512, True)
+        assert e.match_results["after2"][-1] == (512, e.load_async)
         assert e.loaded_ok["after2"] == 512
         assert_no_locks(again)
     finally:
@@ -505,6 +519,7 @@ def test_engine_driven_through_the_server_shm_pool_with_hnd_layout(lmcache_serve
     assert_no_locks(srv)
 
 
+@pytest.mark.parametrize("engines", ["sync", "async"], indirect=True)
 def test_failed_load_reports_load_errors_and_the_request_recomputes(server, engines):
     prompt = tokens(600, seed=51)
     store_prompt(engines, prompt)
@@ -522,6 +537,33 @@ def test_failed_load_reports_load_errors_and_the_request_recomputes(server, engi
     e.add_request("f2", prompt)
     e.run()
     assert e.loaded_ok["f2"] == 512
+    assert_no_locks(server)
+
+
+def test_nothing_computed_on_a_failed_sync_load_is_stored(server, engines):
+    """vLLM computes the rest of the prompt in the step of a synchronous load: when that load
+    failed, the chunks computed on top of it are not stored (they are after the recompute)."""
+    prompt = tokens(900, seed=53)
+    store_prompt(engines, prompt[:600])  # chunks [0, 512) cached
+    e = engines()
+    ctx = e.workers[0].worker_adapter.ctx
+    submitted: list[tuple[int, int]] = []
+    real_submit = ctx.submit_store
+
+    def submit_store(key, block_ids):
+        submitted.append((key.start, key.end))
+        return real_submit(key, block_ids)
+
+    ctx.submit_store = submit_store
+    req = e.add_request("g", prompt)
+    assert wait_until(lambda: e.scheduler.get_num_new_matched_tokens(req, 0)[0] is not None)
+    r = httpx.post(server.http_url + "/cache/clear", json={"tier": "l1", "force": True}, timeout=10)
+    assert r.status_code == 200
+    e.run()
+    assert e.load_failed == {"g"}
+    # the scheduler emitted [512, 768) with the load; the worker dropped it as the load failed
+    assert (512, 768) in [(r.op.start, r.op.end) for r in ops_of(e, "STORE", "g")]
+    assert submitted == [(0, 768)]
     assert_no_locks(server)
 
 
@@ -603,6 +645,7 @@ def test_end_session_waits_for_the_requests_stores(lmcache_server, engines):
     assert_no_locks(srv)
 
 
+@pytest.mark.parametrize("engines", ["sync", "async"], indirect=True)
 def test_retrieve_while_the_server_is_down_fails_as_a_load_error(lmcache_server, engines):
     """Checklist 10: the lookup hit, then the server died before the workers loaded."""
     srv = lmcache_server()

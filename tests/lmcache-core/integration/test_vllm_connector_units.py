@@ -1,5 +1,5 @@
 """Unit tests of the connector pieces that need no server: config, parallel strategy,
-metadata, import table, class shape (connector spec sections 2, 3, 7, 9)."""
+metadata, import table, class shape (docs/vllm.md)."""
 
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ def test_defaults_match_the_spec_table():
         False,
     )
     assert (cfg.lookup_timeout, cfg.retrieve_timeout) == (30, 60)
+    assert cfg.sync_load is True  # ours: loads finish before the forward that needs them
     assert cfg.server_url == "tcp://localhost:5555"
     assert DEFAULTS["isolated_ipc"] is False and DEFAULTS["server_urls"] is None
 
@@ -45,12 +46,14 @@ def test_string_values_are_parsed():
             "lmcache.mp.eager_prefetch": "true",
             "lmcache.mp.save_decode_cache": 1,
             "lmcache.mp.mp_transfer_mode": "Engine_Driven",
+            "lmcache.mp.sync_load": "false",
         }
     )
     assert cfg.server_url == "tcp://10.0.0.2:6001"
     assert cfg.mq_timeout == 12.5
     assert cfg.nonblocking_lookup_status is False and cfg.eager_prefetch and cfg.save_decode_cache
     assert cfg.mp_transfer_mode == "engine_driven"
+    assert cfg.sync_load is False
 
 
 @pytest.mark.parametrize(
@@ -119,7 +122,7 @@ def test_connect_timeout_is_capped_at_30s():
     assert parse_extra_config({"lmcache.mp.mq_timeout": "5"}).connect_timeout == 5
 
 
-# -- parallel strategy (spec section 7 table) ----------------------------------------------
+# -- parallel strategy (docs/vllm.md#parallelism) ----------------------------------------------
 @pytest.mark.parametrize(
     "mla,tp,pp,rank,kv_ws,kv_id,writer,readers",
     [

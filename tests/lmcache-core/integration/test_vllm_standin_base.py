@@ -130,7 +130,7 @@ cold.run()
 warm = Engine(port=port)
 warm.add_request("b", prompt)
 warm.run()
-assert warm.match_results["b"][-1] == (512, True), warm.match_results
+assert warm.match_results["b"][-1] == (512, warm.load_async), warm.match_results
 assert warm.loaded_ok["b"] == 512
 cold.close()
 warm.close()

@@ -105,6 +105,8 @@ _MUST_KEYS: dict[str, tuple[Any, Callable[[str, Any], Any]]] = {
     "save_decode_cache": (False, _bool),
     "lookup_timeout": (30.0, lambda k, v: _number(k, v, float, positive=True)),
     "retrieve_timeout": (60.0, lambda k, v: _number(k, v, float, positive=True)),
+    # Ours (not in 0.5.6): load a hit before the forward of the step that schedules it.
+    "sync_load": (True, _bool),
 }
 
 # Recognised, not implemented yet: accepted only at their default value.
@@ -142,6 +144,12 @@ class MPConnectorConfig:
     save_decode_cache: bool = False
     lookup_timeout: float = 30.0
     retrieve_timeout: float = 60.0
+    # True: a hit is loaded inside the step that computes the rest of the prompt (vLLM's
+    # synchronous external load). False: vLLM's asynchronous load, as in LMCache 0.5.6:
+    # the request waits in WAITING_FOR_REMOTE_KVS for as many engine steps as the copy takes.
+    # A retrieve reads L1 only (the lookup finished the L2 prefetch), so it runs at memory
+    # speed and the steps an asynchronous load adds cost more than they hide.
+    sync_load: bool = True
 
     @property
     def server_url(self) -> str:

@@ -1,4 +1,4 @@
-"""How vLLM's parallel layout maps onto LMCache's KV world (connector spec section 7).
+"""How vLLM's parallel layout maps onto LMCache's KV world (docs/vllm.md#parallelism).
 
 Non-MLA models shard KV over every rank, so each rank is its own KV worker. MLA
 models replicate the latent KV over tensor parallelism: only the first TP rank

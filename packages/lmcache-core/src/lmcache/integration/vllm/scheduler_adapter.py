@@ -1,10 +1,12 @@
 """Scheduler side of the connector: lookups, hit arithmetic, lock bookkeeping, op emission.
 
 Every request gets a :class:`RequestTracker` that moves
-``PREFETCHING -> WAITING_FOR_LOAD -> READY`` (connector spec section 5). The
-engine is never blocked: the lookup is sent without waiting, its status is
-polled on later calls, and while anything is pending the answer is
-``(None, True)`` ("ask again"). Every read lock the server took for a lookup is
+``PREFETCHING -> WAITING_FOR_LOAD -> READY``. The scheduler is never blocked:
+the lookup is sent without waiting, its status is polled on later calls, and
+while anything is pending the answer is ``(None, True)`` ("ask again"). A hit is
+then loaded synchronously by default (``(n, False)``: the workers copy it before
+the forward of the step that computes the rest of the prompt), or asynchronously
+with ``lmcache.mp.sync_load=false`` (``(n, True)``, as LMCache 0.5.6). Every read lock the server took for a lookup is
 given back exactly once: freed here when vLLM's prefix cache or the cap makes
 the chunk unnecessary, consumed by the workers' retrieve otherwise, and
 released by ``end_session`` as a last resort.
@@ -276,7 +278,7 @@ class LMCacheMPSchedulerAdapter:
         usable = min(t.lmcache_hit, len(t.prompt) - 1)
         usable = usable // self.hit_alignment * self.hit_alignment
         need = max(0, usable - num_computed_tokens)
-        return need, need > 0
+        return need, need > 0 and not self.config.sync_load
 
     def update_state_after_alloc(
         self,
@@ -453,6 +455,10 @@ class LMCacheMPSchedulerAdapter:
             if t.loading_blocks & invalid:
                 t.load_failed = True
                 t.num_stored = min(t.num_stored, chunk_floor(t.vllm_hit, self.chunk_size))
+                if self.config.sync_load:
+                    # vLLM drops what that step computed and recomputes from the first bad
+                    # block (at or past vllm_hit): count computed tokens afresh from there.
+                    t.num_scheduled_tokens = 0
             if t.request_id in done:
                 t.loading_blocks = set()
 

@@ -50,6 +50,22 @@ class _ThreadFuture:
         return bool(self._fut.result(timeout))
 
 
+class DoneFuture:
+    """An already-finished transfer (degraded mode, failed submission, inline retrieve)."""
+
+    def __init__(self, ok: bool) -> None:
+        self.ok = ok
+
+    def query(self) -> bool:
+        return True
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return True
+
+    def result(self, timeout: float | None = None) -> bool:
+        return self.ok
+
+
 class WorkerTransfer:
     def __init__(self, adapter: LMCacheMPWorkerAdapter) -> None:
         from lmcache.v1.multiprocess.transfer_context import create_transfer_context
@@ -70,6 +86,7 @@ class WorkerTransfer:
             raise ValueError(ENGINE_DRIVEN_GROUPS_ERROR.format(n=len(adapter.groups)))
         self._generation = 0
         self._gen_lock = threading.Lock()
+        self._views_lock = threading.Lock()
         self._executor = (
             cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmcache-transfer")
             if self.engine_driven
@@ -92,8 +109,15 @@ class WorkerTransfer:
     def submit_store(self, key: Any, block_ids: Any) -> Any:
         return self._submit(self.ctx.submit_store, key, block_ids)
 
-    def submit_retrieve(self, key: Any, block_ids: Any, skip_first_n_tokens: int) -> Any:
-        return self._submit(self.ctx.submit_retrieve, key, block_ids, skip_first_n_tokens)
+    def submit_retrieve(
+        self, key: Any, block_ids: Any, skip_first_n_tokens: int, inline: bool = False
+    ) -> Any:
+        """``inline``: an engine_driven retrieve runs in the calling thread, after at most the
+        one transfer in progress (not behind every queued store): a synchronous load."""
+        args = (key, block_ids, skip_first_n_tokens)
+        if inline and self._executor is not None:
+            return DoneFuture(self._run(self._generation, self.ctx.submit_retrieve, *args))
+        return self._submit(self.ctx.submit_retrieve, *args)
 
     def _submit(self, fn: Any, *args: Any) -> Any:
         if self._executor is None:
@@ -105,7 +129,12 @@ class WorkerTransfer:
         if gen != self._generation or not self.link.healthy:
             return False  # queued before a restart or while degraded: never executed
         try:
-            return bool(fn(*args).result(0))
+            # One transfer at a time touches the SHM views (the executor's, an inline
+            # retrieve's, a re-registration's).
+            with self._views_lock:
+                if gen != self._generation:
+                    return False
+                return bool(fn(*args).result(0))
         except RemoteError as exc:
             if exc.code == "NOT_REGISTERED":
                 self.link.mark_unhealthy("the server does not know this worker (NOT_REGISTERED)")
@@ -137,7 +166,11 @@ class WorkerTransfer:
             self._register()
             return
         # Runs after the transfers in flight, on the thread that owns the SHM views.
-        self._executor.submit(self._register).result(self.adapter.config.mq_timeout)
+        self._executor.submit(self._register_exclusive).result(self.adapter.config.mq_timeout)
+
+    def _register_exclusive(self) -> None:
+        with self._views_lock:
+            self._register()
 
     def close(self, timeout: float = 2.0, flush_timeout: float = 0.0) -> None:
         """Unregister and release; stores already submitted may first finish for up to
@@ -152,7 +185,3 @@ class WorkerTransfer:
             self.ctx.unregister(timeout=timeout)
         finally:
             self.ctx.close()
-
-
-def build_transfer(adapter: LMCacheMPWorkerAdapter) -> WorkerTransfer:
-    return WorkerTransfer(adapter)

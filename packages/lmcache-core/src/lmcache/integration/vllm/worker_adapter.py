@@ -6,8 +6,9 @@ the PID, so a restarted worker is a new instance), then runs the ops the
 scheduler put in the step's metadata through the transfer context built by
 ``lmcache.v1.multiprocess.transfer_context.create_transfer_context``:
 
-* RETRIEVE ops in ``start_load``; their completion is reported in
-  ``finished_recving``, failures also as load-error block ids.
+* RETRIEVE ops in ``start_load``: finished before it returns (synchronous loads,
+  the default), or in the background with completion reported in ``finished_recving``
+  (``lmcache.mp.sync_load=false``); failures as load-error block ids.
 * STORE ops in ``start_store`` (vLLM's ``wait_for_save``), never waiting for the
   server; a request is reported in ``finished_sending`` once vLLM finished it
   and every store of it on this worker completed.
@@ -31,6 +32,8 @@ from lmcache.integration.vllm.mp_ops import LMCacheMPRequestMetadata
 from lmcache.integration.vllm.parallel_strategy import ParallelStrategy
 from lmcache.integration.vllm.scheduler_adapter import check_chunk_size
 from lmcache.integration.vllm.server_link import ServerLink
+from lmcache.integration.vllm.transfer import DoneFuture as _Done
+from lmcache.integration.vllm.transfer import WorkerTransfer
 from lmcache.integration.vllm.vllm_base import KVConnectorTransferResults
 from lmcache.utils import init_logger
 from lmcache.v1.multiprocess.protocol import IPCCacheServerKey
@@ -105,6 +108,8 @@ class LMCacheMPWorkerAdapter:
         self._finished_pending: set[str] = set()  # finished by vLLM, stores still running
         self._forget: set[str] = set()  # finished and reported: dropped once no load runs
         self._load_errors: set[int] = set()
+        # Requests whose synchronous load failed in the current step.
+        self._sync_failed: set[str] = set()
         self._lock = threading.Lock()
 
     # -- registration ---------------------------------------------------------------
@@ -154,8 +159,6 @@ class LMCacheMPWorkerAdapter:
         return hints
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        from lmcache.integration.vllm.transfer import build_transfer
-
         if not kv_caches:
             raise ValueError("register_kv_caches got no KV cache tensors")
         self.kv_caches = dict(kv_caches)
@@ -163,7 +166,7 @@ class LMCacheMPWorkerAdapter:
         check_chunk_size(
             self.chunk_size, self.vllm_block_size, [g.tokens_per_block for g in self.groups]
         )
-        self.ctx = build_transfer(self)
+        self.ctx = WorkerTransfer(self)
         self.link.start_heartbeat()
 
     def _reregister(self) -> None:
@@ -206,25 +209,56 @@ class LMCacheMPWorkerAdapter:
 
     # -- retrieves ------------------------------------------------------------------------
     def start_load(self, requests: list[LMCacheMPRequestMetadata]) -> None:
+        """Run the step's RETRIEVE ops: before returning when loads are synchronous (vLLM
+        computes the rest of those prompts in this very step), else in the background."""
+        self._sync_failed = set()
         retrieves = [r for r in requests if r.direction == "RETRIEVE"]
         if not retrieves:
+            return
+        if self.config.sync_load:
+            self._load_now(retrieves)
             return
         healthy = self.healthy
         with self._lock:
             for meta in retrieves:
                 io = self._io_for(meta.request_id)
-                blocks = meta.op.all_block_ids()
-                if not healthy:
-                    fut: Any = _Done(False)
-                else:
-                    try:
-                        fut = self.ctx.submit_retrieve(
-                            self.key_for(meta), meta.op.block_ids, meta.op.skip_first_n_tokens
-                        )
-                    except Exception as exc:
-                        logger.warning("retrieve of %s failed to start: %s", meta.request_id, exc)
-                        fut = _Done(False)
-                io.retrieves.append(_Pending(fut, blocks, time.monotonic()))
+                fut = self._submit_retrieve(meta, healthy, inline=False)
+                io.retrieves.append(_Pending(fut, meta.op.all_block_ids(), time.monotonic()))
+
+    def _submit_retrieve(self, meta: LMCacheMPRequestMetadata, healthy: bool, inline: bool) -> Any:
+        if not healthy:
+            return _Done(False)
+        try:
+            return self.ctx.submit_retrieve(
+                self.key_for(meta), meta.op.block_ids, meta.op.skip_first_n_tokens, inline=inline
+            )
+        except Exception as exc:
+            logger.warning("retrieve of %s failed to start: %s", meta.request_id, exc)
+            return _Done(False)
+
+    def _load_now(self, retrieves: list[LMCacheMPRequestMetadata]) -> None:
+        """Synchronous loads: every retrieve has ended when this returns. A failed one is
+        reported through ``get_block_ids_with_load_errors`` (vLLM then recomputes from the
+        first bad block), and the request's stores of this step are skipped: what the
+        forward computes on top of a failed load must never reach the cache."""
+        healthy = self.healthy
+        futures = [(meta, self._submit_retrieve(meta, healthy, inline=True)) for meta in retrieves]
+        deadline = time.monotonic() + self.config.retrieve_timeout
+        failed: set[int] = set()
+        for meta, fut in futures:
+            if fut.wait(max(0.0, deadline - time.monotonic())) and _outcome(fut):
+                continue
+            if not fut.query():
+                logger.warning(
+                    "retrieve for request %s unfinished after retrieve_timeout=%g s; failing it",
+                    meta.request_id,
+                    self.config.retrieve_timeout,
+                )
+            self._sync_failed.add(meta.request_id)
+            failed.update(meta.op.all_block_ids())
+        if failed:
+            with self._lock:
+                self._load_errors.update(failed)
 
     # -- stores -------------------------------------------------------------------------
     def start_store(self, requests: list[LMCacheMPRequestMetadata]) -> None:
@@ -239,6 +273,8 @@ class LMCacheMPWorkerAdapter:
                 io.had_store_op = True
                 if not writer or not healthy:
                     continue  # MLA non-writer, or degraded: nothing to wait for
+                if meta.request_id in self._sync_failed:
+                    continue  # computed on top of a failed load this step: not stored
                 try:
                     fut = self.ctx.submit_store(self.key_for(meta), meta.op.block_ids)
                 except Exception as exc:
@@ -367,22 +403,6 @@ class LMCacheMPWorkerAdapter:
             except Exception as exc:
                 logger.warning("unregistering instance %d failed: %s", self.instance_id, exc)
         self.link.close()
-
-
-class _Done:
-    """An already-finished transfer (degraded mode, failed submission)."""
-
-    def __init__(self, ok: bool) -> None:
-        self.ok = ok
-
-    def query(self) -> bool:
-        return True
-
-    def wait(self, timeout: float | None = None) -> bool:
-        return True
-
-    def result(self, timeout: float | None = None) -> bool:
-        return self.ok
 
 
 def _outcome(future: Any) -> bool:
