@@ -109,7 +109,10 @@ def test_full_prompt_hit_reports_len_minus_one(server, engines):
     warm = engines()
     warm.add_request("full", prompt)
     warm.run()
-    assert warm.match_results["full"][-1] == (496, warm.load_async)  # vLLM must compute the last token
+    assert warm.match_results["full"][-1] == (
+        496,
+        warm.load_async,
+    )  # vLLM must compute the last token
     assert warm.loaded_ok["full"] == 496
     assert_no_locks(server)
 
