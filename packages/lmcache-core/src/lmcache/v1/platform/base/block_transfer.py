@@ -17,6 +17,7 @@ A public contract for device wheels: it imports no torch and nothing above ``ops
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,6 +82,17 @@ class BlockTransferPlan:
     def replace(self, **changes: Any) -> BlockTransferPlan:
         """A copy with some operands swapped (e.g. device tensors rebuilt from addresses)."""
         return dataclasses.replace(self, **changes)
+
+    def require_format(self, backend: str, supported: Sequence[EngineKVFormat]) -> None:
+        """ValueError naming the plan's format and the ``supported`` ones when it is not
+        one of them (``backend`` starts the message)."""
+        fmt = self.engine_kv_format
+        if fmt not in supported:
+            names = ", ".join(f"{f.name} (#{int(f)})" for f in supported)
+            raise ValueError(
+                f"{backend} multi_layer_block_kv_transfer does not support engine_kv_format "
+                f"{fmt.name} (#{int(fmt)}); supported: {names}"
+            )
 
     def blocks_per_object(self, block_size: int) -> int:
         if block_size <= 0 or self.chunk_size % block_size:
