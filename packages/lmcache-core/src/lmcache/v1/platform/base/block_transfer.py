@@ -21,7 +21,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from lmcache.v1.platform.ops_types import EngineKVFormat, TransferDirection, to_engine_kv_format
+from lmcache.v1.platform.ops_types import (
+    EngineKVFormat,
+    TransferDirection,
+    parse_direction,
+    to_engine_kv_format,
+)
 
 __all__ = [
     "BlockTransferPlan",
@@ -29,16 +34,6 @@ __all__ = [
     "parse_direction",
     "plan_block_transfer",
 ]
-
-
-def parse_direction(direction: Any) -> TransferDirection:
-    """``TransferDirection`` from an enum member or its int; ValueError naming the value."""
-    try:
-        return TransferDirection(int(direction))
-    except (TypeError, ValueError):
-        raise ValueError(
-            f"invalid transfer direction {direction!r}: expected TransferDirection.H2D or D2H"
-        ) from None
 
 
 @dataclass(frozen=True)

@@ -557,9 +557,7 @@ def resolve_kv_transfer_operands(ops: Any) -> tuple[str, int | None]:
     else:
         op = ops.multi_layer_block_kv_transfer
         func = getattr(op, "__func__", op)
-        if func is DeviceOps.multi_layer_block_kv_transfer or func is getattr(
-            _t(), "multi_layer_block_kv_transfer", None
-        ):
+        if func is DeviceOps.multi_layer_block_kv_transfer:  # also torch_ops' (a bound method)
             mode = "tensor"
         else:
             mode = "pointer"
