@@ -43,7 +43,8 @@ def _refused(op: str) -> Any:
     def refuse(self: Any, *args: Any, **kwargs: Any) -> None:
         raise _unsupported(op)
 
-    refuse.__name__ = refuse.__qualname__ = op
+    refuse.__name__ = op
+    refuse.__qualname__ = f"MluDeviceOps.{op}"
     return refuse
 
 
