@@ -112,7 +112,7 @@ def test_rocm_overrides_only_what_differs():
     assert (spec.device_type, spec.backend_name, spec.torch_module_name) == ("cuda", "rocm", "cuda")
     assert {n for n in RocmDeviceSpec.__dict__ if not n.startswith("__")} <= {
         "name",
-        "is_available",
+        "torch_version_attr",
         "pin_memory_class",
         "ops_class",
     }

@@ -10,35 +10,6 @@
 
 namespace py = pybind11;
 
-namespace {
-
-lmc::BlockTransferArgs make_args(int64_t paged_ptrs, int64_t num_paged_ptrs,
-                                 std::vector<int64_t> objs, int64_t block_ids,
-                                 int64_t num_block_ids, bool block_ids_int32, int direction,
-                                 int fmt, int nl, int64_t nb, int64_t bs, int64_t nh, int64_t hs,
-                                 int64_t elem, int64_t chunk_tokens, int64_t skip) {
-  lmc::BlockTransferArgs a;
-  a.paged_ptrs = paged_ptrs;
-  a.num_paged_ptrs = num_paged_ptrs;
-  a.objs = std::move(objs);
-  a.block_ids = block_ids;
-  a.num_block_ids = num_block_ids;
-  a.block_ids_int32 = block_ids_int32;
-  a.direction = direction;
-  a.fmt = fmt;
-  a.nl = nl;
-  a.nb = nb;
-  a.bs = bs;
-  a.nh = nh;
-  a.hs = hs;
-  a.elem = elem;
-  a.chunk_tokens = chunk_tokens;
-  a.skip_prefix_n_blocks = skip;
-  return a;
-}
-
-}  // namespace
-
 PYBIND11_MODULE(_C, m) {
   m.doc() = "LMCache CUDA/HIP KV-transfer kernels (raw pointers + stream handle)";
   py::register_exception<std::invalid_argument>(m, "KernelArgumentError", PyExc_ValueError);
@@ -49,9 +20,9 @@ PYBIND11_MODULE(_C, m) {
          int64_t num_block_ids, bool block_ids_int32, int direction, int fmt, int nl, int64_t nb,
          int64_t bs, int64_t nh, int64_t hs, int64_t elem, int64_t chunk_tokens, int64_t skip,
          int64_t stream) {
-        auto a = make_args(paged_ptrs, num_paged_ptrs, std::move(objs), block_ids, num_block_ids,
-                           block_ids_int32, direction, fmt, nl, nb, bs, nh, hs, elem, chunk_tokens,
-                           skip);
+        const lmc::BlockTransferArgs a{paged_ptrs, num_paged_ptrs, std::move(objs), block_ids,
+                                       num_block_ids, block_ids_int32, direction, fmt, nl, nb, bs,
+                                       nh, hs, elem, chunk_tokens, skip};
         py::gil_scoped_release release;
         lmc::multi_layer_block_kv_transfer(a, stream);
       },
@@ -62,10 +33,10 @@ PYBIND11_MODULE(_C, m) {
       [](int64_t paged_ptrs, int64_t num_paged_ptrs, std::vector<int64_t> objs, int64_t block_ids,
          int64_t num_block_ids, bool block_ids_int32, int direction, int fmt, int nl, int64_t nb,
          int64_t bs, int64_t nh, int64_t hs, int64_t elem, int64_t chunk_tokens, int64_t skip) {
-        auto a = make_args(paged_ptrs, num_paged_ptrs, std::move(objs), block_ids, num_block_ids,
-                           block_ids_int32, direction, fmt, nl, nb, bs, nh, hs, elem, chunk_tokens,
-                           skip);
-        lmc::multi_layer_block_kv_transfer_host(a);
+        lmc::multi_layer_block_kv_transfer_host({paged_ptrs, num_paged_ptrs, std::move(objs),
+                                                 block_ids, num_block_ids, block_ids_int32,
+                                                 direction, fmt, nl, nb, bs, nh, hs, elem,
+                                                 chunk_tokens, skip});
       },
       "The kernel's address math run on the CPU over host memory (tests only).");
 

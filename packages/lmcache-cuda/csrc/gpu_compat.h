@@ -4,20 +4,17 @@
 
 #if defined(__HIPCC__) || defined(USE_ROCM)
 #include <hip/hip_runtime.h>
-using gpuStream_t = hipStream_t;
-using gpuError_t = hipError_t;
-#define gpuSuccess hipSuccess
-#define gpuGetErrorString hipGetErrorString
-#define gpuGetLastError hipGetLastError
-#define gpuMemcpyAsync hipMemcpyAsync
-#define gpuMemcpyDefault hipMemcpyDefault
+#define LMC_GPU_NAME(suffix) hip##suffix
 #else
 #include <cuda_runtime.h>
-using gpuStream_t = cudaStream_t;
-using gpuError_t = cudaError_t;
-#define gpuSuccess cudaSuccess
-#define gpuGetErrorString cudaGetErrorString
-#define gpuGetLastError cudaGetLastError
-#define gpuMemcpyAsync cudaMemcpyAsync
-#define gpuMemcpyDefault cudaMemcpyDefault
+#define LMC_GPU_NAME(suffix) cuda##suffix
 #endif
+
+// Both runtimes spell these names alike but for the cuda/hip prefix.
+using gpuStream_t = LMC_GPU_NAME(Stream_t);
+using gpuError_t = LMC_GPU_NAME(Error_t);
+#define gpuSuccess LMC_GPU_NAME(Success)
+#define gpuGetErrorString LMC_GPU_NAME(GetErrorString)
+#define gpuGetLastError LMC_GPU_NAME(GetLastError)
+#define gpuMemcpyAsync LMC_GPU_NAME(MemcpyAsync)
+#define gpuMemcpyDefault LMC_GPU_NAME(MemcpyDefault)

@@ -14,24 +14,10 @@ extern "C" int lmc_block_kv_transfer_host(int64_t paged_ptrs, int64_t num_paged_
                                           int64_t elem, int64_t chunk_tokens, int64_t skip,
                                           char* err, int64_t err_len) {
   try {
-    lmc::BlockTransferArgs a;
-    a.paged_ptrs = paged_ptrs;
-    a.num_paged_ptrs = num_paged_ptrs;
-    a.objs.assign(objs, objs + num_objs);
-    a.block_ids = block_ids;
-    a.num_block_ids = num_block_ids;
-    a.block_ids_int32 = block_ids_int32 != 0;
-    a.direction = direction;
-    a.fmt = fmt;
-    a.nl = nl;
-    a.nb = nb;
-    a.bs = bs;
-    a.nh = nh;
-    a.hs = hs;
-    a.elem = elem;
-    a.chunk_tokens = chunk_tokens;
-    a.skip_prefix_n_blocks = skip;
-    lmc::multi_layer_block_kv_transfer_host(a);
+    const std::vector<int64_t> objects(objs, objs + num_objs);
+    lmc::multi_layer_block_kv_transfer_host({paged_ptrs, num_paged_ptrs, objects, block_ids,
+                                             num_block_ids, block_ids_int32 != 0, direction, fmt,
+                                             nl, nb, bs, nh, hs, elem, chunk_tokens, skip});
     return 0;
   } catch (const std::exception& e) {
     std::snprintf(err, (size_t)err_len, "%s", e.what());

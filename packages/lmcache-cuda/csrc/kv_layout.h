@@ -63,85 +63,55 @@ struct PagedLayout {
 LMC_HD PagedLayout paged_layout(int fmt, int nl, int64_t nb, int64_t bs, int64_t nh, int64_t hs,
                                 int64_t elem) {
   PagedLayout L{};
-  const int64_t row = hs * elem;  // one head's bytes
+  const int64_t row = hs * elem;        // one head's bytes
+  const int64_t block = bs * nh * row;  // one block of one plane, in either row order
+  const bool head_major = fmt == NB_NL_TWO_NH_BS_HS || fmt == NL_X_TWO_NB_NH_BS_HS ||
+                          fmt == NL_X_TWO_NB_NH_ONE_BS_HS || fmt == NL_X_NB_TWO_NH_BS_HS ||
+                          fmt == NL_X_NB_NH_BS_TWO_HS || fmt == NL_X_NB_NH_BS_CS;
+  // Inside a block: HND [NH, BS, HS] or NHD [BS, NH, HS] (MLA: nh == 1).
+  L.s_head = head_major ? bs * row : row;
+  L.s_tok = head_major ? row : nh * row;
   L.ok = 1;
   L.kv_size = 2;
   L.ptr_mode = PER_LAYER;
   L.num_ptrs = nl;
+  // Where the blocks, the K/V planes and the layers sit around that block.
   switch (fmt) {
     case NB_NL_TWO_BS_NH_HS:  // one tensor [NB, NL, 2, BS, NH, HS]
-      L.ptr_mode = CROSS_LAYER;
-      L.num_ptrs = 1;
-      L.s_head = row;
-      L.s_tok = nh * row;
-      L.kv_off = bs * nh * row;
-      L.layer_off = 2 * L.kv_off;
-      L.s_block = nl * L.layer_off;
-      break;
     case NB_NL_TWO_NH_BS_HS:  // one tensor [NB, NL, 2, NH, BS, HS]
       L.ptr_mode = CROSS_LAYER;
       L.num_ptrs = 1;
-      L.s_tok = row;
-      L.s_head = bs * row;
-      L.kv_off = nh * bs * row;
-      L.layer_off = 2 * L.kv_off;
+      L.kv_off = block;
+      L.layer_off = 2 * block;
       L.s_block = nl * L.layer_off;
       break;
-    case NL_X_TWO_NB_BS_NH_HS:  // [2, NB, BS, NH, HS]
-      L.s_head = row;
-      L.s_tok = nh * row;
-      L.s_block = bs * nh * row;
-      L.kv_off = nb * L.s_block;
-      break;
-    case NL_X_NB_TWO_BS_NH_HS:  // [NB, 2, BS, NH, HS]
-      L.s_head = row;
-      L.s_tok = nh * row;
-      L.kv_off = bs * nh * row;
-      L.s_block = 2 * L.kv_off;
-      break;
+    case NL_X_TWO_NB_BS_NH_HS:      // [2, NB, BS, NH, HS]
     case NL_X_TWO_NB_NH_BS_HS:      // [2, NB, NH, BS, HS]
     case NL_X_TWO_NB_NH_ONE_BS_HS:  // [2, NB, NH, 1, BS, HS]: same bytes
-      L.s_tok = row;
-      L.s_head = bs * row;
-      L.s_block = nh * bs * row;
-      L.kv_off = nb * L.s_block;
+      L.s_block = block;
+      L.kv_off = nb * block;
       break;
+    case NL_X_NB_TWO_BS_NH_HS:  // [NB, 2, BS, NH, HS]
     case NL_X_NB_TWO_NH_BS_HS:  // [NB, 2, NH, BS, HS]
-      L.s_tok = row;
-      L.s_head = bs * row;
-      L.kv_off = nh * bs * row;
-      L.s_block = 2 * L.kv_off;
-      break;
-    case NL_X_NB_BS_HS:     // MLA [NB, BS, HS]
-    case NL_X_NBBS_ONE_HS:  // [NB*BS, 1, HS]
-    case NL_X_NB_BSV_BSS:   // [NB, BS, 132] uint8
-      L.kv_size = 1;
-      L.s_head = row;  // nh == 1
-      L.s_tok = nh * row;
-      L.s_block = bs * nh * row;
+      L.kv_off = block;
+      L.s_block = 2 * block;
       break;
     case TWO_X_NL_X_NBBS_NH_HS:   // 2 x NL x [NB*BS, NH, HS]
     case TWO_X_NL_X_NB_BS_NH_HS:  // 2 x NL x [NB, BS, NH, HS]
       L.ptr_mode = KV_LIST;
       L.num_ptrs = 2 * nl;
-      L.s_head = row;
-      L.s_tok = nh * row;
-      L.s_block = bs * nh * row;
+      L.s_block = block;
       break;
+    case NL_X_NB_BS_HS:         // MLA [NB, BS, HS]
+    case NL_X_NBBS_ONE_HS:      // [NB*BS, 1, HS]
+    case NL_X_NB_BSV_BSS:       // [NB, BS, 132] uint8
     case NL_X_NB_NH_BS_TWO_HS:  // fused HND [NB, NH, BS, hs']
     case NL_X_NB_NH_BS_CS:
-      L.kv_size = 1;
-      L.s_tok = row;
-      L.s_head = bs * row;
-      L.s_block = nh * bs * row;
-      break;
     case NL_X_NB_BS_NH_TWO_HS:  // fused NHD [NB, BS, NH, hs']
     case NL_X_NB_BS_NH_CS:
     case NL_X_NB_BS_NH_HS:  // single_kv
       L.kv_size = 1;
-      L.s_head = row;
-      L.s_tok = nh * row;
-      L.s_block = bs * nh * row;
+      L.s_block = block;
       break;
     default:  // tuple formats (#16, #17) have no pointer form
       L.ok = 0;

@@ -10,6 +10,7 @@
 
 namespace lmc {
 
+// Callers build it by aggregate initialization, in this field order.
 struct BlockTransferArgs {
   int64_t paged_ptrs;  // device address of an int64 array of plane addresses
   int64_t num_paged_ptrs;

@@ -53,6 +53,19 @@ static int kv_size_of(int fmt) {
   }
 }
 
+// Calls check(layer, kv, tok, head, d) for every element of one block's rows, in order;
+// stops at the first false and returns whether all passed (one report per format).
+template <class Check>
+static bool every_row_element(const Shape& s, int kv, Check check) {
+  for (int layer = 0; layer < s.nl; ++layer)
+    for (int k = 0; k < kv; ++k)
+      for (int64_t t = 0; t < s.bs; ++t)
+        for (int64_t h = 0; h < s.nh; ++h)
+          for (int64_t d = 0; d < s.hs; ++d)
+            if (!check(layer, k, t, h, d)) return false;
+  return true;
+}
+
 static void check_format(int fmt, int64_t skip, int64_t n_blocks_used) {
   const bool mla = fmt == 3 || fmt == 5 || fmt == 14;
   Shape s{3, 7, 4, mla ? 1 : 2, 8};
@@ -80,56 +93,39 @@ static void check_format(int fmt, int64_t skip, int64_t n_blocks_used) {
   std::vector<int64_t> objs;
   for (auto& c : chunks) objs.push_back((int64_t)c.data());
 
-  BlockTransferArgs a;
-  a.paged_ptrs = (int64_t)ptrs.data();
-  a.num_paged_ptrs = (int64_t)ptrs.size();
-  a.objs = objs;
-  a.block_ids = (int64_t)block_ids.data();
-  a.num_block_ids = n_blocks_used;
-  a.block_ids_int32 = false;
-  a.direction = D2H;
-  a.fmt = fmt;
-  a.nl = s.nl;
-  a.nb = s.nb;
-  a.bs = s.bs;
-  a.nh = s.nh;
-  a.hs = s.hs;
-  a.elem = elem;
-  a.chunk_tokens = T;
-  a.skip_prefix_n_blocks = skip;
+  BlockTransferArgs a{(int64_t)ptrs.data(), (int64_t)ptrs.size(), objs, (int64_t)block_ids.data(),
+                      n_blocks_used, false, D2H, fmt, s.nl, s.nb, s.bs, s.nh, s.hs, elem, T,
+                      skip};
   multi_layer_block_kv_transfer_host(a);
 
   for (int64_t p = 0; p < n_blocks_used; ++p) {
     const int64_t obj = p / bpo, t0 = (p % bpo) * s.bs;
-    for (int layer = 0; layer < s.nl; ++layer)
-      for (int k = 0; k < kv; ++k)
-        for (int64_t t = 0; t < s.bs; ++t)
-          for (int64_t h = 0; h < s.nh; ++h)
-            for (int64_t d = 0; d < s.hs; ++d) {
-              auto e = engine_index(fmt, s, layer, k, block_ids[p], t, h, d);
-              const uint16_t want = p < skip ? 0xBEEF : tensors[e.first][e.second];
-              const int64_t ci = ((k * s.nl + layer) * T + t0 + t) * width + h * s.hs + d;
-              EXPECT(chunks[obj][ci] == want, "fmt %d skip %ld: D2H p=%ld mismatch", fmt,
-                     (long)skip, (long)p);
-              if (chunks[obj][ci] != want) return;
-            }
+    const bool same = every_row_element(s, kv, [&](int layer, int k, int64_t t, int64_t h,
+                                                   int64_t d) {
+      auto e = engine_index(fmt, s, layer, k, block_ids[p], t, h, d);
+      const uint16_t want = p < skip ? 0xBEEF : tensors[e.first][e.second];
+      const int64_t ci = ((k * s.nl + layer) * T + t0 + t) * width + h * s.hs + d;
+      EXPECT(chunks[obj][ci] == want, "fmt %d skip %ld: D2H p=%ld mismatch", fmt, (long)skip,
+             (long)p);
+      return chunks[obj][ci] == want;
+    });
+    if (!same) return;
   }
   // H2D into zeroed engine tensors restores exactly the covered blocks.
   auto original = tensors;
   for (auto& t : tensors) std::fill(t.begin(), t.end(), 0);
   a.direction = H2D;
   multi_layer_block_kv_transfer_host(a);
-  for (int64_t p = skip; p < n_blocks_used; ++p)
-    for (int layer = 0; layer < s.nl; ++layer)
-      for (int k = 0; k < kv; ++k)
-        for (int64_t t = 0; t < s.bs; ++t)
-          for (int64_t h = 0; h < s.nh; ++h)
-            for (int64_t d = 0; d < s.hs; ++d) {
-              auto e = engine_index(fmt, s, layer, k, block_ids[p], t, h, d);
-              EXPECT(tensors[e.first][e.second] == original[e.first][e.second],
-                     "fmt %d: H2D mismatch", fmt);
-              if (tensors[e.first][e.second] != original[e.first][e.second]) return;
-            }
+  for (int64_t p = skip; p < n_blocks_used; ++p) {
+    const bool same = every_row_element(s, kv, [&](int layer, int k, int64_t t, int64_t h,
+                                                   int64_t d) {
+      auto e = engine_index(fmt, s, layer, k, block_ids[p], t, h, d);
+      EXPECT(tensors[e.first][e.second] == original[e.first][e.second], "fmt %d: H2D mismatch",
+             fmt);
+      return tensors[e.first][e.second] == original[e.first][e.second];
+    });
+    if (!same) return;
+  }
   // Blocks before the skip were never written.
   for (int64_t p = 0; p < skip && p < n_blocks_used; ++p) {
     auto e = engine_index(fmt, s, 0, 0, block_ids[p], 0, 0, 0);

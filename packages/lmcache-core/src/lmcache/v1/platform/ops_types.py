@@ -91,14 +91,28 @@ _FLAGS: dict[int, frozenset[str]] = {
 }
 
 
+def _member(enum_cls: Any, value: Any, bad: str) -> Any:
+    """``enum_cls`` member from itself, a native module's enum or a plain int; else
+    ValueError ``bad`` (which names the value and what is expected)."""
+    try:
+        return enum_cls(int(value))
+    except (TypeError, ValueError):
+        raise ValueError(bad) from None
+
+
 def to_engine_kv_format(fmt: Any) -> EngineKVFormat:
     """Accept our enum, a native module's enum or a plain int; reject anything else."""
-    try:
-        return EngineKVFormat(int(fmt))
-    except (TypeError, ValueError):
-        raise ValueError(
-            f"unknown engine_kv_format {fmt!r}: expected an EngineKVFormat value 0..{len(_F) - 1}"
-        ) from None
+    expected = f"an EngineKVFormat value 0..{len(_F) - 1}"
+    return _member(EngineKVFormat, fmt, f"unknown engine_kv_format {fmt!r}: expected {expected}")
+
+
+def parse_direction(direction: Any) -> TransferDirection:
+    """``TransferDirection`` from an enum member or its int; ValueError naming the value."""
+    return _member(
+        TransferDirection,
+        direction,
+        f"invalid transfer direction {direction!r}: expected TransferDirection.H2D or D2H",
+    )
 
 
 def _has(fmt: Any, flag: str) -> bool:

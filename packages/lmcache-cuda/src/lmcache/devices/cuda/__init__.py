@@ -16,11 +16,4 @@ class CudaDeviceSpec(CudaFamilyDeviceSpec):
     name = "cuda"
     ops_class = "lmcache.devices.cuda.device_ops:CudaDeviceOps"
     pin_memory_class = "lmcache.devices.cuda.pin_memory:CudaPinMemoryBackend"
-
-    def is_available(self) -> bool:
-        try:
-            import torch
-
-            return torch.version.cuda is not None and bool(torch.cuda.is_available())
-        except Exception:
-            return False
+    torch_version_attr = "cuda"

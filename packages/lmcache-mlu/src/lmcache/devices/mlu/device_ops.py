@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 
 from lmcache.v1.platform import torch_ops
 from lmcache.v1.platform.base.block_transfer import BlockTransferPlan
-from lmcache.v1.platform.base.device_ops import DeviceOps
+from lmcache.v1.platform.base.device_ops import StreamWaitRecorders
 from lmcache.v1.platform.ops_types import EngineKVFormat
 
 F = EngineKVFormat
@@ -28,17 +28,35 @@ def _unsupported(op: str) -> NotImplementedError:
     )
 
 
-def _supported_text() -> str:
-    return ", ".join(f"{f.name} (#{int(f)})" for f in SUPPORTED_FORMATS)
+# The legacy in-process transfers, refused (they would need MLU kernels).
+_REFUSED_OPS = (
+    "multi_layer_kv_transfer",
+    "multi_layer_kv_transfer_unilateral",
+    "single_layer_kv_transfer",
+    "single_layer_kv_transfer_sgl",
+    "load_and_reshape_flash",
+    "reshape_and_cache_back_flash",
+)
 
 
-class MluDeviceOps(DeviceOps):
+def _refused(op: str) -> Any:
+    def refuse(self: Any, *args: Any, **kwargs: Any) -> None:
+        raise _unsupported(op)
+
+    refuse.__name__ = op
+    refuse.__qualname__ = f"MluDeviceOps.{op}"
+    return refuse
+
+
+class MluDeviceOps(StreamWaitRecorders):
     device_type: ClassVar[str] = "mlu"
     kv_transfer_operands: ClassVar[str | None] = "tensor"
+    # Recorders (StreamWaitRecorders): handle 0 is the current device's default queue.
+    zero_handle_stream: ClassVar[str] = "default_stream"
 
     # ensure_native: inherited no-op (no native kernels for MLU).
 
-    # ---- refused entry points ------------------------------------------------------------
+    # ---- refused entry points (and _REFUSED_OPS, set below the class) --------------------
     def tensor_from_ptr(self, ptr, shape, dtype, device=None):
         raise ValueError(
             "Device backend 'mlu' does not support tensor construction from raw pointers "
@@ -57,55 +75,12 @@ class MluDeviceOps(DeviceOps):
             dest, src, nbytes, direction, host_buffer_offset, host_buffer_alignments
         )
 
-    def multi_layer_kv_transfer(self, *args, **kwargs):
-        raise _unsupported("multi_layer_kv_transfer")
-
-    def multi_layer_kv_transfer_unilateral(self, *args, **kwargs):
-        raise _unsupported("multi_layer_kv_transfer_unilateral")
-
-    def single_layer_kv_transfer(self, *args, **kwargs):
-        raise _unsupported("single_layer_kv_transfer")
-
-    def single_layer_kv_transfer_sgl(self, *args, **kwargs):
-        raise _unsupported("single_layer_kv_transfer_sgl")
-
-    def load_and_reshape_flash(self, *args, **kwargs):
-        raise _unsupported("load_and_reshape_flash")
-
-    def reshape_and_cache_back_flash(self, *args, **kwargs):
-        raise _unsupported("reshape_and_cache_back_flash")
-
-    # ---- stream-ordered recorders: wait on the supplied queue, then publish ----------------
-    def _queue(self, handle: int) -> Any:
-        import torch
-
-        mlu = torch.mlu
-        if not handle:
-            return mlu.default_stream()  # handle 0: default queue of the current device
-        return mlu.ExternalStream(int(handle))  # borrowed; the caller keeps it alive
-
-    def record_completion_on_stream(self, cuda_stream_ptr, kind, payload):
-        self._queue(cuda_stream_ptr).synchronize()
-        return torch_ops.record_completion_on_stream(0, kind, payload)
-
-    def record_event_on_stream(
-        self, cuda_stream_ptr, event_type_name, session_id, str_metadata, int_metadata
-    ):
-        self._queue(cuda_stream_ptr).synchronize()
-        return torch_ops.record_event_on_stream(
-            0, event_type_name, session_id, str_metadata, int_metadata
-        )
-
     # ---- block transfer --------------------------------------------------------------------
     def transfer_blocks(self, plan: BlockTransferPlan) -> None:
         import torch
 
+        plan.require_format("mlu", SUPPORTED_FORMATS)
         fmt = plan.engine_kv_format
-        if fmt not in SUPPORTED_FORMATS:
-            raise ValueError(
-                f"mlu multi_layer_block_kv_transfer does not support engine_kv_format "
-                f"{fmt.name} (#{int(fmt)}); supported: {_supported_text()}"
-            )
         layers = self._layers(plan.paged, fmt)
         objects = list(plan.objects)
         for i, obj in enumerate(objects):
@@ -221,6 +196,9 @@ class MluDeviceOps(DeviceOps):
                 src = rows.reshape(2, nblk, t.shape[2], t.shape[3], t.shape[4])
             t.index_copy_(1, idx, src)
 
+
+for _op in _REFUSED_OPS:
+    setattr(MluDeviceOps, _op, _refused(_op))
 
 _BS_AXIS = {F.NL_X_TWO_NB_BS_NH_HS: 2, F.NL_X_TWO_NB_NH_BS_HS: 3, F.NL_X_NB_BS_HS: 1}
 

@@ -1,8 +1,9 @@
 """``MusaDeviceOps``: method overrides over the torch baseline (no native module).
 
-Overrides exactly ``tensor_from_ptr``, ``lmcache_memcpy_async``,
-``record_completion_on_stream``, ``record_event_on_stream`` and ``transfer_blocks`` (the
-body of ``multi_layer_block_kv_transfer``; docs/design/platform.md#device-musa). Fallbacks call
+Overrides exactly ``tensor_from_ptr``, ``lmcache_memcpy_async`` (``DeviceViewOps``),
+``record_completion_on_stream``, ``record_event_on_stream`` (``StreamWaitRecorders``) and
+``transfer_blocks`` (the body of ``multi_layer_block_kv_transfer``;
+docs/design/platform.md#device-musa). Fallbacks call
 ``lmcache.v1.platform.torch_ops`` directly.
 """
 
@@ -15,8 +16,8 @@ from typing import Any, ClassVar
 from lmcache.utils import init_logger
 from lmcache.v1.platform import torch_ops
 from lmcache.v1.platform.base.block_transfer import BlockTransferPlan
-from lmcache.v1.platform.base.device_ops import DeviceOps
-from lmcache.v1.platform.cuda_family.device_ops import memcpy_async_through_views
+from lmcache.v1.platform.base.device_ops import StreamWaitRecorders
+from lmcache.v1.platform.cuda_family.device_ops import DeviceViewOps
 from lmcache.v1.platform.ops_types import EngineKVFormat
 
 logger = init_logger(__name__)
@@ -38,9 +39,11 @@ SUPPORTED_FORMATS = (
 )
 
 
-class MusaDeviceOps(DeviceOps):
+class MusaDeviceOps(StreamWaitRecorders, DeviceViewOps):
     device_type: ClassVar[str] = "musa"
     kv_transfer_operands: ClassVar[str | None] = "tensor"
+    # Recorders (StreamWaitRecorders): handle 0 is the current MUSA stream.
+    zero_handle_stream: ClassVar[str] = "current_stream"
 
     def __init__(self) -> None:
         super().__init__()
@@ -67,49 +70,9 @@ class MusaDeviceOps(DeviceOps):
 
         return torch.device("musa", torch.musa.current_device())
 
-    def lmcache_memcpy_async(
-        self, dest, src, nbytes, direction, host_buffer_offset, host_buffer_alignments
-    ):
-        return memcpy_async_through_views(
-            self.tensor_from_ptr,
-            self._current_device,
-            dest,
-            src,
-            nbytes,
-            direction,
-            host_buffer_offset,
-            host_buffer_alignments,
-        )
-
-    # ---- stream-ordered recorders ------------------------------------------------------
-    def _wait_stream(self, handle: int) -> None:
-        import torch
-
-        musa = torch.musa
-        stream = musa.ExternalStream(int(handle)) if handle else musa.current_stream()
-        stream.synchronize()
-
-    def record_completion_on_stream(self, cuda_stream_ptr, kind, payload):
-        self._wait_stream(cuda_stream_ptr)
-        return torch_ops.record_completion_on_stream(0, kind, payload)
-
-    def record_event_on_stream(
-        self, cuda_stream_ptr, event_type_name, session_id, str_metadata, int_metadata
-    ):
-        self._wait_stream(cuda_stream_ptr)
-        return torch_ops.record_event_on_stream(
-            0, event_type_name, session_id, str_metadata, int_metadata
-        )
-
     # ---- block transfer ------------------------------------------------------------------
     def transfer_blocks(self, plan: BlockTransferPlan) -> None:
-        fmt = plan.engine_kv_format
-        if fmt not in SUPPORTED_FORMATS:
-            raise ValueError(
-                f"MUSA multi_layer_block_kv_transfer does not support engine_kv_format "
-                f"{fmt.name} ({int(fmt)}); supported: "
-                + ", ".join(f"{f.name} ({int(f)})" for f in SUPPORTED_FORMATS)
-            )
+        plan.require_format("MUSA", SUPPORTED_FORMATS)
         if torch_ops.is_pointer_tensor(plan.paged):
             plan = plan.replace(paged=self._rebuild_paged(plan))
         if os.environ.get(NATIVE_KV_TRANSFER_ENV_VAR, "").strip() == "1" and self._try_aiter(plan):

@@ -16,13 +16,4 @@ class RocmDeviceSpec(CudaFamilyDeviceSpec):
     name = "rocm"
     ops_class = "lmcache.devices.rocm.device_ops:RocmDeviceOps"
     pin_memory_class = "lmcache.devices.rocm.pin_memory:RocmPinMemoryBackend"
-
-    def is_available(self) -> bool:
-        try:
-            import torch
-
-            return getattr(torch.version, "hip", None) is not None and bool(
-                torch.cuda.is_available()
-            )
-        except Exception:
-            return False
+    torch_version_attr = "hip"

@@ -17,10 +17,16 @@ A public contract for device wheels: it imports no torch and nothing above ``ops
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from lmcache.v1.platform.ops_types import EngineKVFormat, TransferDirection, to_engine_kv_format
+from lmcache.v1.platform.ops_types import (
+    EngineKVFormat,
+    TransferDirection,
+    parse_direction,
+    to_engine_kv_format,
+)
 
 __all__ = [
     "BlockTransferPlan",
@@ -28,16 +34,6 @@ __all__ = [
     "parse_direction",
     "plan_block_transfer",
 ]
-
-
-def parse_direction(direction: Any) -> TransferDirection:
-    """``TransferDirection`` from an enum member or its int; ValueError naming the value."""
-    try:
-        return TransferDirection(int(direction))
-    except (TypeError, ValueError):
-        raise ValueError(
-            f"invalid transfer direction {direction!r}: expected TransferDirection.H2D or D2H"
-        ) from None
 
 
 @dataclass(frozen=True)
@@ -81,6 +77,17 @@ class BlockTransferPlan:
     def replace(self, **changes: Any) -> BlockTransferPlan:
         """A copy with some operands swapped (e.g. device tensors rebuilt from addresses)."""
         return dataclasses.replace(self, **changes)
+
+    def require_format(self, backend: str, supported: Sequence[EngineKVFormat]) -> None:
+        """ValueError naming the plan's format and the ``supported`` ones when it is not
+        one of them (``backend`` starts the message)."""
+        fmt = self.engine_kv_format
+        if fmt not in supported:
+            names = ", ".join(f"{f.name} (#{int(f)})" for f in supported)
+            raise ValueError(
+                f"{backend} multi_layer_block_kv_transfer does not support engine_kv_format "
+                f"{fmt.name} (#{int(fmt)}); supported: {names}"
+            )
 
     def blocks_per_object(self, block_size: int) -> int:
         if block_size <= 0 or self.chunk_size % block_size:

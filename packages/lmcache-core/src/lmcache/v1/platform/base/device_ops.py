@@ -17,11 +17,15 @@ stream or device; an op never frees, keeps or resizes them. Operand shapes and t
 canonical host chunk layout are described in ``docs/design/platform.md``.
 """
 
+# The ops' bodies come from @_forwards_to_baseline: their declarations are docstring only.
+# mypy: disable-error-code="empty-body"
+
 from __future__ import annotations
 
+import functools
 import inspect
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, ClassVar, TypeAlias
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, TypeAlias, TypeVar, cast
 
 from lmcache.utils import init_logger
 from lmcache.v1.platform import ops_types
@@ -90,6 +94,23 @@ def _t() -> Any:
     from lmcache.v1.platform import torch_ops
 
     return torch_ops
+
+
+_Op = TypeVar("_Op", bound=Callable[..., Any])
+
+
+def _forwards_to_baseline(method: _Op) -> _Op:
+    """The body of a declared op: call the same-named ``torch_ops`` function with the
+    caller's arguments. The decorated method stays the op's declaration (signature and
+    docstring, which ``inspect.signature`` and ``help`` show); ``torch_ops`` is looked up
+    at call time because importing DeviceOps must not import torch."""
+    name = method.__name__
+
+    @functools.wraps(method)
+    def forward(self: DeviceOps, *args: Any, **kwargs: Any) -> Any:
+        return getattr(_t(), name)(*args, **kwargs)
+
+    return cast(_Op, forward)
 
 
 class DeviceOps:
@@ -227,12 +248,13 @@ class DeviceOps:
             )
         )
 
+    @_forwards_to_baseline
     def transfer_blocks(self, plan: BlockTransferPlan) -> None:
         """Run a checked ``multi_layer_block_kv_transfer`` (see ``base.block_transfer``).
         Backends override this rather than the nine-argument op; the default is the torch
         baseline."""
-        return _t().transfer_blocks(plan)
 
+    @_forwards_to_baseline
     def multi_layer_kv_transfer(
         self,
         key_value: Tensor,
@@ -252,20 +274,8 @@ class DeviceOps:
         negative slots and the first ``skip_prefix_n_tokens`` tokens are skipped. D2H is
         synchronous. HND formats need ``block_size``/``head_size``; unsupported formats
         raise ``NotImplementedError`` naming the format."""
-        _t().multi_layer_kv_transfer(
-            key_value,
-            key_value_ptrs,
-            slot_mapping,
-            paged_memory_device,
-            page_buffer_size,
-            direction,
-            engine_kv_format,
-            block_size,
-            head_size,
-            skip_prefix_n_tokens,
-            block_stride_elems,
-        )
 
+    @_forwards_to_baseline
     def lmcache_memcpy_async(
         self,
         dest: Tensor | int,
@@ -283,73 +293,70 @@ class DeviceOps:
         straddle. The baseline copies raw pointers only on a CPU-only process; a backend
         that can see device pointers overrides it. The caller synchronizes before using
         the destination."""
-        _t().lmcache_memcpy_async(
-            dest, src, nbytes, direction, host_buffer_offset, host_buffer_alignments
-        )
 
+    @_forwards_to_baseline
     def calculate_cdf(self, input_tensor: Tensor, num_bins: int) -> Tensor:
         """Per (layer, channel) 16-bit CDF of symbol ids over tokens:
         ``[NL, T, C]`` in, ``[NL, C, num_bins + 1]`` int16 out (KV compression)."""
-        return _t().calculate_cdf(input_tensor, num_bins)
 
     # Host allocators: page-aligned, zero-filled; pinned when the device runtime allows
     # (falls back to unpinned with one warning). Each alloc_* returns an address that stays
     # valid until the matching free_* (an unknown address is logged and ignored).
+    @_forwards_to_baseline
     def alloc_pinned_ptr(self, size: int, device_id: int = 0) -> int:
         """Allocate ``size`` bytes of (pinned when possible) host memory; the address."""
-        return _t().alloc_pinned_ptr(size, device_id)
 
+    @_forwards_to_baseline
     def free_pinned_ptr(self, ptr: int) -> None:
         """Free memory from ``alloc_pinned_ptr``."""
-        _t().free_pinned_ptr(ptr)
 
+    @_forwards_to_baseline
     def alloc_pinned_numa_ptr(self, size: int, numa_id: int = 0) -> int:
         """Like ``alloc_pinned_ptr``, preferring NUMA node ``numa_id``."""
-        return _t().alloc_pinned_numa_ptr(size, numa_id)
 
+    @_forwards_to_baseline
     def free_pinned_numa_ptr(self, ptr: int, size: int | None = None) -> None:
         """Free memory from ``alloc_pinned_numa_ptr``."""
-        _t().free_pinned_numa_ptr(ptr, size)
 
+    @_forwards_to_baseline
     def alloc_numa_ptr(self, size: int, numa_id: int = 0) -> int:
         """Alias of ``alloc_pinned_numa_ptr`` (0.5.6 name)."""
-        return _t().alloc_numa_ptr(size, numa_id)
 
+    @_forwards_to_baseline
     def free_numa_ptr(self, ptr: int, size: int | None = None) -> None:
         """Free memory from ``alloc_numa_ptr``."""
-        _t().free_numa_ptr(ptr, size)
 
+    @_forwards_to_baseline
     def alloc_hugepage_pinned_ptr(self, size: int, device_id: int = 0) -> int:
         """Hugepage-backed pinned memory; the baseline warns and uses ``alloc_pinned_ptr``."""
-        return _t().alloc_hugepage_pinned_ptr(size, device_id)
 
+    @_forwards_to_baseline
     def free_hugepage_pinned_ptr(self, ptr: int, size: int = 0) -> None:
         """Free memory from ``alloc_hugepage_pinned_ptr``."""
-        _t().free_hugepage_pinned_ptr(ptr, size)
 
+    @_forwards_to_baseline
     def alloc_hugepage_pinned_numa_ptr(self, size: int, numa_id: int = 0) -> int:
         """NUMA-local hugepage memory; the baseline warns and falls back."""
-        return _t().alloc_hugepage_pinned_numa_ptr(size, numa_id)
 
+    @_forwards_to_baseline
     def free_hugepage_pinned_numa_ptr(self, ptr: int, size: int = 0) -> None:
         """Free memory from ``alloc_hugepage_pinned_numa_ptr``."""
-        _t().free_hugepage_pinned_numa_ptr(ptr, size)
 
+    @_forwards_to_baseline
     def alloc_shm_pinned_ptr(self, size: int, shm_name: str = "") -> int:
         """POSIX shared memory named ``shm_name`` (a stale segment of that name is
         replaced), pinned through the current device spec when possible."""
-        return _t().alloc_shm_pinned_ptr(size, shm_name)
 
+    @_forwards_to_baseline
     def free_shm_pinned_ptr(self, ptr: int, size: int = 0, shm_name: str = "") -> None:
         """Unpin, close and unlink memory from ``alloc_shm_pinned_ptr``."""
-        _t().free_shm_pinned_ptr(ptr, size, shm_name)
 
+    @_forwards_to_baseline
     def batched_memcpy(
         self, src_ptrs: Sequence[int], dst_ptrs: Sequence[int], sizes: Sequence[int]
     ) -> None:
         """Host-to-host ``memmove`` of ``sizes[i]`` bytes for each pair (lists of equal
         length, else ``ValueError``; non-positive sizes are skipped)."""
-        _t().batched_memcpy(src_ptrs, dst_ptrs, sizes)
 
     def tensor_from_ptr(
         self, ptr: int, shape: Sequence[int], dtype: torch.dtype, device: DeviceLike | None = None
@@ -364,14 +371,15 @@ class DeviceOps:
     # Stream-ordered recorders: publish a record once the work queued on the stream so far
     # has finished (the baseline synchronizes first on an accelerator). Handle 0 = the
     # current device's default stream. Draining is atomic: each record is returned once.
+    @_forwards_to_baseline
     def record_completion_on_stream(self, cuda_stream_ptr: int, kind: Any, payload: bytes) -> None:
         """Queue ``(kind, payload)`` for ``drain_recorded_completions``."""
-        _t().record_completion_on_stream(cuda_stream_ptr, kind, payload)
 
+    @_forwards_to_baseline
     def drain_recorded_completions(self) -> list[tuple[Any, bytes]]:
         """Return and clear every recorded ``(kind, payload)``, in record order."""
-        return _t().drain_recorded_completions()
 
+    @_forwards_to_baseline
     def record_event_on_stream(
         self,
         cuda_stream_ptr: int,
@@ -381,16 +389,14 @@ class DeviceOps:
         int_metadata: Any,
     ) -> None:
         """Queue a timestamped event record for ``drain_recorded_events``."""
-        _t().record_event_on_stream(
-            cuda_stream_ptr, event_type_name, session_id, str_metadata, int_metadata
-        )
 
+    @_forwards_to_baseline
     def drain_recorded_events(self) -> list[tuple[Any, Any, float, Any, Any]]:
         """Return and clear every ``(type, session, timestamp, str_md, int_md)`` record."""
-        return _t().drain_recorded_events()
 
     # ---- LATER ops: the baseline raises NotImplementedError naming the op; a native
     # module bound by ensure_native() may provide them with the same signature. --------
+    @_forwards_to_baseline
     def multi_layer_kv_transfer_unilateral(
         self,
         key_value: Tensor,
@@ -402,16 +408,8 @@ class DeviceOps:
         engine_kv_format: KVFormatLike,
     ) -> None:
         """One-direction variant of ``multi_layer_kv_transfer`` (native only)."""
-        _t().multi_layer_kv_transfer_unilateral(
-            key_value,
-            key_value_ptrs,
-            slot_mapping,
-            paged_memory_device,
-            page_buffer_size,
-            direction,
-            engine_kv_format,
-        )
 
+    @_forwards_to_baseline
     def single_layer_kv_transfer(
         self,
         lmc_key_value_cache: Tensor,
@@ -422,15 +420,8 @@ class DeviceOps:
         token_major: bool = False,
     ) -> None:
         """Per-layer copy for layerwise pipelines (native only)."""
-        _t().single_layer_kv_transfer(
-            lmc_key_value_cache,
-            vllm_key_value_cache,
-            slot_mapping,
-            direction,
-            engine_kv_format,
-            token_major,
-        )
 
+    @_forwards_to_baseline
     def single_layer_kv_transfer_sgl(
         self,
         lmc_key_value_cache: Tensor,
@@ -441,15 +432,8 @@ class DeviceOps:
         token_major: bool = False,
     ) -> None:
         """Per-layer copy against SGLang's separate K and V caches (native only)."""
-        _t().single_layer_kv_transfer_sgl(
-            lmc_key_value_cache,
-            sgl_key_cache,
-            sgl_value_cache,
-            slot_mapping,
-            direction,
-            token_major,
-        )
 
+    @_forwards_to_baseline
     def load_and_reshape_flash(
         self,
         key_value: Tensor,
@@ -459,8 +443,8 @@ class DeviceOps:
         layer_idx: int,
     ) -> None:
         """Flash-attention layout load (native only)."""
-        _t().load_and_reshape_flash(key_value, key_cache, value_cache, slot_mapping, layer_idx)
 
+    @_forwards_to_baseline
     def reshape_and_cache_back_flash(
         self,
         key_value: Tensor,
@@ -470,28 +454,26 @@ class DeviceOps:
         layer_idx: int,
     ) -> None:
         """Flash-attention layout store (native only)."""
-        _t().reshape_and_cache_back_flash(
-            key_value, key_cache, value_cache, slot_mapping, layer_idx
-        )
 
+    @_forwards_to_baseline
     def encode_fast_new(
         self, cdf: Tensor, input_sym: Tensor, output_buffer: Tensor, output_lengths: Tensor
     ) -> None:
         """Arithmetic-coding encoder for KV compression (native only)."""
-        _t().encode_fast_new(cdf, input_sym, output_buffer, output_lengths)
 
+    @_forwards_to_baseline
     def decode_fast_new(
         self, cdf: Tensor, bytestreams: Tensor, lengths: Tensor, output: Tensor
     ) -> None:
         """Arithmetic-coding decoder (native only)."""
-        _t().decode_fast_new(cdf, bytestreams, lengths, output)
 
+    @_forwards_to_baseline
     def decode_fast_prefsum(
         self, cdf: Tensor, bytestreams: Tensor, lengths_prefsum: Tensor, output: Tensor
     ) -> None:
         """Arithmetic-coding decoder over prefix-summed lengths (native only)."""
-        _t().decode_fast_prefsum(cdf, bytestreams, lengths_prefsum, output)
 
+    @_forwards_to_baseline
     def rotary_embedding_k_fused(
         self,
         old_positions: Tensor,
@@ -502,10 +484,8 @@ class DeviceOps:
         is_neox: bool,
     ) -> None:
         """Re-rotate cached keys to new positions (CacheBlend; native only)."""
-        _t().rotary_embedding_k_fused(
-            old_positions, new_positions, key, head_size, cos_sin_cache, is_neox
-        )
 
+    @_forwards_to_baseline
     def rotary_embedding_k_fused_strided(
         self,
         old_positions: Tensor,
@@ -517,13 +497,45 @@ class DeviceOps:
         is_neox: bool,
     ) -> None:
         """Strided variant of ``rotary_embedding_k_fused`` (native only)."""
-        _t().rotary_embedding_k_fused_strided(
-            old_positions, new_positions, key, head_size, head_stride, cos_sin_cache, is_neox
-        )
 
+    @_forwards_to_baseline
     def get_gpu_pci_bus_id(self, device_id: int = 0) -> str | None:
         """PCI bus id of device ``device_id`` (native only)."""
-        return _t().get_gpu_pci_bus_id(device_id)
+
+
+class StreamWaitRecorders(DeviceOps):
+    """Stream-ordered recorders for a backend without stream callbacks (MLU, MUSA): wait
+    until the work queued on the given stream of ``torch.<device_type>`` has finished, then
+    publish through the baseline. A non-zero handle is the caller's stream (borrowed through
+    ``ExternalStream``); handle 0 is the module's ``zero_handle_stream()``."""
+
+    #: What handle 0 names: ``"default_stream"`` or ``"current_stream"`` of the module.
+    zero_handle_stream: ClassVar[str] = "default_stream"
+
+    def _wait_stream(self, handle: int) -> None:
+        import torch
+
+        module = getattr(torch, self.device_type)
+        if handle:
+            stream = module.ExternalStream(int(handle))
+        else:
+            stream = getattr(module, self.zero_handle_stream)()
+        stream.synchronize()
+
+    def record_completion_on_stream(self, cuda_stream_ptr: int, kind: Any, payload: bytes) -> None:
+        self._wait_stream(cuda_stream_ptr)
+        _t().record_completion_on_stream(0, kind, payload)
+
+    def record_event_on_stream(
+        self,
+        cuda_stream_ptr: int,
+        event_type_name: str,
+        session_id: Any,
+        str_metadata: Any,
+        int_metadata: Any,
+    ) -> None:
+        self._wait_stream(cuda_stream_ptr)
+        _t().record_event_on_stream(0, event_type_name, session_id, str_metadata, int_metadata)
 
 
 def resolve_kv_transfer_operands(ops: Any) -> tuple[str, int | None]:
@@ -545,9 +557,7 @@ def resolve_kv_transfer_operands(ops: Any) -> tuple[str, int | None]:
     else:
         op = ops.multi_layer_block_kv_transfer
         func = getattr(op, "__func__", op)
-        if func is DeviceOps.multi_layer_block_kv_transfer or func is getattr(
-            _t(), "multi_layer_block_kv_transfer", None
-        ):
+        if func is DeviceOps.multi_layer_block_kv_transfer:  # also torch_ops' (a bound method)
             mode = "tensor"
         else:
             mode = "pointer"

@@ -2,8 +2,9 @@
 
 - ``tensor_from_ptr`` builds a non-owning view through ``__cuda_array_interface__``
   (any dtype via a same-width integer view), else copies device-to-device.
-- ``lmcache_memcpy_async`` pointer mode: stream-ordered copies split at
-  ``host_buffer_alignments`` boundaries (a piece never spans two pin registrations).
+- ``lmcache_memcpy_async`` pointer mode (``DeviceViewOps``, shared with MUSA):
+  stream-ordered copies split at ``host_buffer_alignments`` boundaries (a piece never
+  spans two pin registrations).
 - ``ensure_native`` binds the wheel's compiled module (``native_module_name``) with a
   soft fail; a successful bind switches the instance to pointer operands (the kernels
   take raw addresses, at most 4 objects per call).
@@ -13,7 +14,6 @@ from __future__ import annotations
 
 import ctypes
 import importlib
-from collections.abc import Callable
 from typing import Any, ClassVar
 
 from lmcache.utils import init_logger
@@ -47,41 +47,40 @@ def host_pieces(host_offset: int, nbytes: int, alignment: int) -> list[tuple[int
     return pieces
 
 
-def memcpy_async_through_views(
-    tensor_from_ptr: Callable[..., Any],
-    current_device: Callable[[], Any],
-    dest: Any,
-    src: Any,
-    nbytes: int,
-    direction: Any,
-    host_buffer_offset: int,
-    host_buffer_alignments: int,
-) -> None:
-    """``lmcache_memcpy_async`` for backends whose device memory torch can view.
+class DeviceViewOps(DeviceOps):
+    """Ops of a backend whose device memory torch can view (the CUDA family, MUSA).
 
-    Tensor operands (and the mixed-operand TypeError) are the baseline's. Pointer mode:
-    a stream-ordered ``copy_`` per ``host_pieces`` piece, so a piece never spans two pin
-    registrations of the host allocator; ``tensor_from_ptr`` is the backend's view of a
-    device address, ``current_device()`` its active device.
+    ``lmcache_memcpy_async`` with tensors (and the mixed-operand TypeError) is the
+    baseline's. With raw addresses it issues one stream-ordered ``copy_`` per
+    ``host_pieces`` piece, so a piece never spans two pin registrations of the host
+    allocator. A subclass provides ``tensor_from_ptr`` (its view of a device address) and
+    ``_current_device()`` (its active device).
     """
-    if not (isinstance(dest, int) and isinstance(src, int)):
-        return torch_ops.lmcache_memcpy_async(
-            dest, src, nbytes, direction, host_buffer_offset, host_buffer_alignments
-        )
-    import torch
 
-    pieces = host_pieces(host_buffer_offset, int(nbytes), host_buffer_alignments)
-    d = TransferDirection(int(direction))
-    host, dev = (src, dest) if d == TransferDirection.H2D else (dest, src)
-    device = current_device()
-    for off, length in pieces:
-        host_view = torch_ops.host_tensor_from_ptr(host + off, (length,), torch.uint8)
-        dev_view = tensor_from_ptr(dev + off, (length,), torch.uint8, device)
-        if d == TransferDirection.H2D:
-            dev_view.copy_(host_view, non_blocking=True)
-        else:
-            host_view.copy_(dev_view, non_blocking=True)
-    return None
+    def _current_device(self) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} must define _current_device()")
+
+    def lmcache_memcpy_async(
+        self, dest, src, nbytes, direction, host_buffer_offset, host_buffer_alignments
+    ):
+        if not (isinstance(dest, int) and isinstance(src, int)):
+            return torch_ops.lmcache_memcpy_async(
+                dest, src, nbytes, direction, host_buffer_offset, host_buffer_alignments
+            )
+        import torch
+
+        pieces = host_pieces(host_buffer_offset, int(nbytes), host_buffer_alignments)
+        d = TransferDirection(int(direction))
+        host, dev = (src, dest) if d == TransferDirection.H2D else (dest, src)
+        device = self._current_device()
+        for off, length in pieces:
+            host_view = torch_ops.host_tensor_from_ptr(host + off, (length,), torch.uint8)
+            dev_view = self.tensor_from_ptr(dev + off, (length,), torch.uint8, device)
+            if d == TransferDirection.H2D:
+                dev_view.copy_(host_view, non_blocking=True)
+            else:
+                host_view.copy_(dev_view, non_blocking=True)
+        return None
 
 
 class _ArrayInterface:
@@ -97,7 +96,7 @@ class _ArrayInterface:
         }
 
 
-class CudaFamilyDeviceOps(DeviceOps):
+class CudaFamilyDeviceOps(DeviceViewOps):
     device_type: ClassVar[str] = "cuda"
     # The Python fallback takes tensors; a successful native bind switches the instance.
     kv_transfer_operands: ClassVar[str | None] = "tensor"
@@ -177,21 +176,7 @@ class CudaFamilyDeviceOps(DeviceOps):
             )
         return out
 
-    def lmcache_memcpy_async(
-        self, dest, src, nbytes, direction, host_buffer_offset, host_buffer_alignments
-    ):
-        return memcpy_async_through_views(
-            self.tensor_from_ptr,
-            self._active_device,
-            dest,
-            src,
-            nbytes,
-            direction,
-            host_buffer_offset,
-            host_buffer_alignments,
-        )
-
-    def _active_device(self) -> Any:
+    def _current_device(self) -> Any:
         import torch
 
         return torch.device(self.device_type, torch.cuda.current_device())

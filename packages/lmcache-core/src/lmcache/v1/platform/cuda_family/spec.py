@@ -13,8 +13,8 @@ if TYPE_CHECKING:
 class CudaFamilyDeviceSpec(DeviceSpec):
     """``torch.cuda`` device with LMCache-driven IPC (wrapper, event IPC, cache context).
 
-    Subclasses declare ``name`` and ``ops_class`` and override ``is_available`` (CUDA vs
-    HIP build of torch).
+    Subclasses declare ``name``, ``ops_class`` and ``torch_version_attr`` (which build of
+    torch they run on).
     """
 
     torch_device_type = "cuda"
@@ -26,6 +26,20 @@ class CudaFamilyDeviceSpec(DeviceSpec):
     stream_handle_attr = "cuda_stream"
     event_ipc = True
     cache_context_class = "lmcache.v1.platform.cuda_family.cache_context:GPUCacheContext"
+    # The ``torch.version`` attribute a torch build for this backend sets: "cuda" (CUDA) or
+    # "hip" (ROCm). Both builds answer to ``torch.cuda``; at most one sets either.
+    torch_version_attr = "cuda"
+
+    def is_available(self) -> bool:
+        if not type(self).name:  # the shared layer itself is no backend
+            return False
+        try:
+            import torch
+
+            built_for_it = getattr(torch.version, self.torch_version_attr, None) is not None
+            return built_for_it and bool(torch.cuda.is_available())
+        except Exception:
+            return False
 
     @property
     def ipc_wrapper_cls(self) -> type[DeviceIPCWrapper]:

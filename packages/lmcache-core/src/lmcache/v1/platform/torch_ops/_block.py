@@ -33,7 +33,8 @@ from typing import Any
 
 import torch
 
-from lmcache.v1.platform.base.block_transfer import BlockTransferPlan, plan_block_transfer
+from lmcache.v1.platform.base.block_transfer import BlockTransferPlan
+from lmcache.v1.platform.base.device_ops import DeviceOps
 from lmcache.v1.platform.ops_types import (
     EngineKVFormat,
     is_cross_layer,
@@ -524,32 +525,6 @@ def _check_block_range(lo: int, hi: int, nb: int) -> None:
         raise ValueError(f"block id {bad} is outside the paged cache's {nb} blocks [0, {nb})")
 
 
-def multi_layer_block_kv_transfer(
-    paged_buffer_ptrs_tensor: Any,
-    lmcache_objects_ptrs: Any,
-    block_ids: Any,
-    device: Any,
-    direction: Any,
-    shape_desc: Any,
-    lmcache_chunk_size: int,
-    engine_kv_format: Any,
-    skip_prefix_n_blocks: int,
-) -> None:
-    transfer_blocks(
-        plan_block_transfer(
-            paged_buffer_ptrs_tensor,
-            lmcache_objects_ptrs,
-            block_ids,
-            device,
-            direction,
-            shape_desc,
-            lmcache_chunk_size,
-            engine_kv_format,
-            skip_prefix_n_blocks,
-        )
-    )
-
-
 def transfer_blocks(plan: BlockTransferPlan) -> None:
     """The torch baseline of ``DeviceOps.transfer_blocks``: runs ``plan`` on any device."""
     fmt = plan.engine_kv_format
@@ -782,3 +757,8 @@ def _copy_runs(
                 rows.copy_(blocks, non_blocking=True)
             else:
                 blocks.copy_(rows)
+
+
+# The baseline op is DeviceOps' own (check the nine arguments into a plan, then
+# ``transfer_blocks``) on an instance that keeps the baseline ``transfer_blocks`` above.
+multi_layer_block_kv_transfer = DeviceOps().multi_layer_block_kv_transfer
