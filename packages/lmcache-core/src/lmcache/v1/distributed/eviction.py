@@ -366,6 +366,10 @@ class _GuardedLoop:
     def is_healthy(self) -> bool:
         return self.consecutive_errors < 3
 
+    def cycle_counts(self) -> dict[str, int]:
+        """The loop's counters, as ``report_status`` shows them under "eviction"."""
+        return {k: getattr(self, k) for k in ("cycles", "errors", "consecutive_errors", "restarts")}
+
     @property
     def thread_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
@@ -431,12 +435,7 @@ class L1EvictionController(_GuardedLoop, L1ManagerListener):
             "tracked_keys": self.policy.num_tracked(),
             "evicted_keys": self.evicted_keys,
             "triggered_cycles": self.triggered,
-            "eviction": {
-                "cycles": self.cycles,
-                "errors": self.errors,
-                "consecutive_errors": self.consecutive_errors,
-                "restarts": self.restarts,
-            },
+            "eviction": self.cycle_counts(),
             "is_healthy": self.is_healthy,
         }
 
@@ -599,11 +598,6 @@ class L2EvictionController(_GuardedLoop):
             "adapters": adapters,
             "thread_alive": self.thread_alive,
             "evicted_keys": self.evicted_keys,
-            "eviction": {
-                "cycles": self.cycles,
-                "errors": self.errors,
-                "consecutive_errors": self.consecutive_errors,
-                "restarts": self.restarts,
-            },
+            "eviction": self.cycle_counts(),
             "is_healthy": self.is_healthy,
         }

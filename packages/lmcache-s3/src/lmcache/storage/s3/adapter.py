@@ -356,15 +356,7 @@ class S3L2Adapter(CompletionChannels, L2AdapterInterface):
             self._finish(self._finish_load, task)
 
     def _finish_load(self, task: _Task) -> None:
-        bm = Bitmap(len(task.keys))
-        loaded = []
-        for i, ok in enumerate(task.ok):
-            if ok:
-                bm.set(i)
-                loaded.append(task.keys[i])
-        if loaded:
-            self._notify_keys_accessed(loaded)
-        self._load_channel.complete(task.tid, bm)
+        self._complete_load(task.tid, task.keys, task.ok)
 
     # --- delete and listing ---------------------------------------------------------------
 
