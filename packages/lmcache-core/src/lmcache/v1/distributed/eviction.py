@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from lmcache.utils import init_logger
+from lmcache.utils import RateLimitedLog, init_logger
 from lmcache.v1.distributed.api import ObjectKey
 from lmcache.v1.distributed.config import EvictionConfig
 from lmcache.v1.distributed.internal_api import L1ManagerListener, L2AdapterListener
@@ -317,7 +317,7 @@ class _GuardedLoop:
         self.cycles = 0
         self.errors = 0
         self.consecutive_errors = 0
-        self._last_logged: dict[str, float] = {}
+        self._failures = RateLimitedLog(logger, interval=60.0)  # per distinct error
         self.restarts = 0
         # the last cycle, for /periodic-threads: wall-clock start, duration, error ("" = none)
         self.last_run_time: float | None = None
@@ -352,10 +352,9 @@ class _GuardedLoop:
             self.consecutive_errors += 1
             msg = f"{type(exc).__name__}: {exc}"
             self.last_error = msg
-            now = time.monotonic()
-            if now - self._last_logged.get(msg, -1e9) >= 60.0:
-                self._last_logged[msg] = now
-                logger.error("%s cycle failed: %s\n%s", self.name, msg, traceback.format_exc())
+            self._failures.error(
+                msg, "%s cycle failed: %s\n%s", self.name, msg, traceback.format_exc()
+            )
         finally:
             self.last_duration_ms = (time.perf_counter() - t0) * 1000.0
 

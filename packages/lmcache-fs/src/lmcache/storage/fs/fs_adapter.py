@@ -28,7 +28,11 @@ from lmcache.v1.distributed.internal_api import L2StoreResult
 from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface, L2TaskId
 from lmcache.v1.distributed.l2_adapters.health import HealthTracker
 from lmcache.v1.distributed.l2_adapters.key_codec import object_key_to_filename
-from lmcache.v1.distributed.l2_adapters.utils import CompletionChannels, KeyLockTable
+from lmcache.v1.distributed.l2_adapters.utils import (
+    CompletionChannels,
+    KeyLockTable,
+    record_unknown_keys,
+)
 
 logger = init_logger(__name__)
 # Per-file errors repeat for every key while a disk is full: one line per kind every 30 s.
@@ -142,15 +146,9 @@ class FSL2Adapter(CompletionChannels, L2AdapterInterface):
 
     def _on_recovered(self, keys: list[ObjectKey], sizes: list[int]) -> None:
         with self._lock:
-            fresh = [
-                (k, s)
-                for k, s in zip(keys, sizes, strict=False)
-                if k not in self._sizes and k not in self._storing
-            ]
-            for k, s in fresh:
-                self._sizes[k] = s
+            fresh, fresh_sizes = record_unknown_keys(self._sizes, self._storing, keys, sizes)
         if fresh:
-            self._notify_keys_stored([k for k, _ in fresh], [s for _, s in fresh])
+            self._notify_keys_stored(fresh, fresh_sizes)
 
     def register_listener(self, listener: Any) -> None:
         """Also replays the keys already known (recovered or stored) to the new listener, so

@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import os
 import threading
+from collections.abc import Container
 from typing import TYPE_CHECKING, Any
 
 from lmcache.lmcache_native import Bitmap, TTLLock
@@ -27,6 +28,19 @@ def fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def record_unknown_keys(
+    known: dict[ObjectKey, int], storing: Container[ObjectKey], keys: list[ObjectKey], sizes: Any
+) -> tuple[list[ObjectKey], list[int]]:
+    """Add to ``known`` the keys (found on the backend, with their sizes) it lacks, leaving
+    the keys a store is writing to that store; returns the added keys and sizes (for
+    ``_notify_keys_stored``). The caller holds the lock guarding both containers."""
+    fresh = [
+        (k, int(s)) for k, s in zip(keys, sizes, strict=True) if k not in known and k not in storing
+    ]
+    known.update(fresh)
+    return [k for k, _ in fresh], [s for _, s in fresh]
 
 
 class KeyLockTable:
