@@ -51,19 +51,19 @@ class ReadPathMixin:
                 return (b"", False)
             from lmcache.v1.multiprocess.transfer_context.base import scatter_cpu_to_paged_kv
 
-            bpc = self.cs // inst.meta["block_size"]
-            ids = list(block_ids[0]) if block_ids else []
+            blocks = self._chunk_blocks(inst, block_ids, len(keys))
             objs = self.storage.read_locked(keys)
-            if objs is None or len(ids) < len(keys) * bpc:
+            if objs is None or blocks is None:
                 self._count_read_failure(inst, len(keys))
                 return (b"", False)
+            bpc, ids = blocks
             lay = self.layouts[inst.layout_key]
             self._timed_copy_host_kv(
                 "lmcache_mp_l0_l1_load_throughput_GB_per_second",
                 len(keys) * lay.nbytes,
                 inst,
                 scatter_cpu_to_paged_kv,
-                ids[: len(keys) * bpc],
+                ids,
                 [_obj_tensor(o, lay) for o in objs],
                 bpc,
                 skip_first_n_tokens,
@@ -150,6 +150,17 @@ class ReadPathMixin:
         self.metrics.inc(submitted_metric, device=_device(inst))
         inst.last_seen = time.monotonic()
         return inst
+
+    def _chunk_blocks(
+        self, inst: Instance, block_ids: list[list[int]], n_chunks: int
+    ) -> tuple[int, list[int]] | None:
+        """(blocks per chunk, the block ids of ``n_chunks`` chunks) for an lmcache_driven
+        copy, or None when ``block_ids`` holds too few: never copy out of bounds."""
+        bpc = self.cs // inst.meta["block_size"]
+        ids = list(block_ids[0]) if block_ids else []
+        if len(ids) < n_chunks * bpc:
+            return None
+        return bpc, ids[: n_chunks * bpc]
 
     def _timed_copy_host_kv(
         self,

@@ -185,10 +185,10 @@ class WritePathMixin:
         _session, keys = self._own_keys(key)
         from lmcache.v1.multiprocess.transfer_context.base import gather_paged_kv_to_cpu
 
-        bpc = self.cs // inst.meta["block_size"]
-        ids = list(block_ids[0]) if block_ids else []
-        if len(ids) < len(keys) * bpc:
-            return (b"", False)  # fail closed: never copy out of bounds
+        blocks = self._chunk_blocks(inst, block_ids, len(keys))
+        if blocks is None:
+            return (b"", False)
+        bpc, ids = blocks
         null = self.config.null_block_id
         wanted = [any(b != null for b in ids[i * bpc : (i + 1) * bpc]) for i in range(len(keys))]
         res = self._reserve(inst, keys, wanted)
@@ -201,7 +201,7 @@ class WritePathMixin:
                     len(outs) * lay.nbytes,
                     inst,
                     gather_paged_kv_to_cpu,
-                    ids[: len(keys) * bpc],
+                    ids,
                     bpc,
                     layout_hints=inst.layout_hints,
                     out=outs,
