@@ -75,6 +75,21 @@ def test_0_5_6_flags_that_change_nothing_here_are_accepted(argv):
     build_configs(_parse(*argv))
 
 
+def test_help_of_every_flag_we_lack_says_so():
+    """Their help comes from NOT_PROVIDED and DEPENDENT, also for ``--X/--no-X`` switches
+    (--l1-use-hugepages and --gds-l1-use-direct-io once kept a help that promised a feature)."""
+    from lmcache.cli.server import add_server_args
+    from lmcache.cli.server_flags import DEPENDENT, NOT_PROVIDED
+
+    parser = argparse.ArgumentParser(prog="lmcache server")
+    add_server_args(parser)
+    helps = {o: a.help or "" for a in parser._actions for o in a.option_strings}
+    for flag in NOT_PROVIDED:
+        assert helps[flag].startswith("not provided: "), (flag, helps[flag])
+    for flag in DEPENDENT:
+        assert helps[flag].startswith(f"read only with {DEPENDENT[flag]} "), (flag, helps[flag])
+
+
 @pytest.mark.parametrize(
     "argv,flag",
     [

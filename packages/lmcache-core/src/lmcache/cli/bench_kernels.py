@@ -9,14 +9,13 @@ measured in the same run. Prints JSON (and writes it to ``--output``).
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import time
-from pathlib import Path
 from typing import Any
 
 from lmcache.cli.errors import CLIError
+from lmcache.cli.report import add_json_output_arg, print_json_result
 
 TOKENS = 512
 LAYERS = 32
@@ -28,7 +27,7 @@ ENGINE_BLOCKS = 128  # the engine cache holds more blocks than one request uses
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--output", type=Path, default=None, help="also write the JSON here")
+    add_json_output_arg(parser)
     parser.add_argument(
         "--iterations", type=int, default=20, help="timed runs per case (default 20)"
     )
@@ -164,12 +163,5 @@ def run(args: argparse.Namespace) -> int:
     except ImportError as exc:
         raise CLIError(f"'lmcache bench kernels' needs torch: {exc}") from None
     report = measure(args.iterations, args.warmup)
-    text = json.dumps(report, indent=2)
-    if args.output is not None:
-        try:
-            args.output.parent.mkdir(parents=True, exist_ok=True)
-            args.output.write_text(text + "\n")
-        except OSError as exc:
-            raise CLIError(f"cannot write --output {args.output}: {exc}") from None
-    print(text)
+    print_json_result(report, args.output)
     return 0 if report["roundtrip_ok"] else 1

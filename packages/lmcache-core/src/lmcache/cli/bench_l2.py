@@ -24,11 +24,11 @@ import json
 import os
 import select
 import statistics
-import sys
 import time
 from typing import Any
 
 from lmcache.cli.errors import CLIError
+from lmcache.cli.report import add_json_output_arg, print_json_result
 
 OPS = ("store", "lookup", "load")
 
@@ -79,7 +79,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="also measure plain threaded file writes of the same bytes (page-cache ceiling)",
     )
     p.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for one task")
-    p.add_argument("--output", metavar="FILE", default=None, help="also write the JSON here")
+    add_json_output_arg(p)
     p.set_defaults(func=run)
 
 
@@ -385,10 +385,5 @@ def run(args: argparse.Namespace) -> int:
         },
         "adapters": [_bench_one(s, i, args) for i, s in enumerate(specs, start=1)],
     }
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.output:
-        with open(args.output, "w") as f:
-            f.write(text + "\n")
-    sys.stdout.flush()
+    print_json_result(report, args.output)
     return 0

@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from lmcache.cli.errors import CLIError
+from lmcache.cli.report import add_json_output_arg, print_json_result
 
 RUNNER = "lmcache.integration.vllm.offline_runner"
 GOAL_VS_PREFIX_HIT = 1.15
@@ -85,7 +86,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="vLLM's CPU KV cache (VLLM_CPU_KVCACHE_SPACE)",
     )
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per vLLM process")
-    p.add_argument("--output", metavar="FILE", default=None, help="also write the JSON here")
+    add_json_output_arg(p)
     p.set_defaults(func=run)
 
 
@@ -278,8 +279,5 @@ def run(args: argparse.Namespace) -> int:
         ]
         >= GOAL_VS_NO_CACHE,
     }
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.output:
-        Path(args.output).write_text(text + "\n")
+    print_json_result(result, args.output)
     return 0

@@ -19,7 +19,10 @@ import argparse
 import json
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TextIO
+
+from lmcache.cli.errors import CLIError
 
 FORMATS = ("terminal", "json")
 
@@ -54,6 +57,23 @@ def add_output_args(parser: argparse.ArgumentParser, inherit: bool = False) -> N
         default=default(False),
         help="print nothing; exit code only",
     )
+
+
+def add_json_output_arg(parser: argparse.ArgumentParser) -> None:
+    """``--output FILE`` of the ``lmcache bench`` commands, which print JSON."""
+    parser.add_argument("--output", metavar="FILE", default=None, help="also write the JSON here")
+
+
+def print_json_result(result: Any, output: str | None) -> None:
+    """A benchmark's result: printed as indented JSON, and also written to ``output``."""
+    text = json.dumps(result, indent=2)
+    print(text, flush=True)
+    if output:
+        try:
+            Path(output).parent.mkdir(parents=True, exist_ok=True)
+            Path(output).write_text(text + "\n")
+        except OSError as exc:
+            raise CLIError(f"cannot write --output {output}: {exc}") from None
 
 
 @dataclass

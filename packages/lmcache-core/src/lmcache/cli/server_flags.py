@@ -142,7 +142,6 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         "--transport",
         choices=("zmq", "grpc"),
         default="zmq",
-        help=_not_provided_help("--transport"),
     )
     g.add_argument("--host", default="localhost", help="RPC bind host")
     g.add_argument("--port", type=int, default=5555, help="RPC port")
@@ -163,9 +162,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="normal pool threads (default --max-workers)",
     )
-    g.add_argument(
-        "--grpc-server-workers", type=int, default=32, help=_dependent_help("--grpc-server-workers")
-    )
+    g.add_argument("--grpc-server-workers", type=int, default=32)
     g.add_argument(
         "--hash-algorithm",
         default="blake3",
@@ -175,7 +172,6 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         "--engine-type",
         choices=("default", "blend"),
         default="default",
-        help=_not_provided_help("--engine-type"),
     )
     g.add_argument(
         "--supported-transfer-mode",
@@ -183,21 +179,17 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         default="auto",
         help="transfer modules to load: auto = both (0.5.6: lmcache_driven)",
     )
-    _switch(g, "--isolated-ipc", False, _not_provided_help("--isolated-ipc"))
+    _switch(g, "--isolated-ipc", False, "")
     g.add_argument(
         "--runtime-plugin-locations",
         nargs="*",
         default=[],
-        help=_not_provided_help("--runtime-plugin-locations"),
     )
-    g.add_argument(
-        "--runtime-plugin-config", default="{}", help=_dependent_help("--runtime-plugin-config")
-    )
+    g.add_argument("--runtime-plugin-config", default="{}")
     g.add_argument(
         "--script-allowed-imports",
         nargs="*",
         default=[],
-        help=_dependent_help("--script-allowed-imports"),
     )
     _switch(
         g,
@@ -239,35 +231,25 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         "if its worker is dropped, so workers need not await commit_retrieve (0 = they must)",
     )
     for flag in ("--enable-segmented-prefix", "--enable-dedup-content", "--enable-blend-reorder"):
-        g.add_argument(flag, action="store_true", default=False, help=_dependent_help(flag))
-    g.add_argument("--enable", nargs="*", default=[], help=_not_provided_help("--enable"))
+        g.add_argument(flag, action="store_true", default=False)
+    g.add_argument("--enable", nargs="*", default=[])
     g.add_argument(
         "--kv-event-log-size",
         type=int,
         default=32768,
-        help=_not_provided_help("--kv-event-log-size"),
     )
-    g.add_argument(
-        "--server-module", action="append", default=[], help=_not_provided_help("--server-module")
-    )
+    g.add_argument("--server-module", action="append", default=[])
 
     p2p = parser.add_argument_group("P2P (not provided)")
-    p2p.add_argument(
-        "--p2p-advertise-url", default="", help=_not_provided_help("--p2p-advertise-url")
-    )
-    p2p.add_argument("--p2p-listen-url", default="", help=_dependent_help("--p2p-listen-url"))
+    p2p.add_argument("--p2p-advertise-url", default="")
+    p2p.add_argument("--p2p-listen-url", default="")
     p2p.add_argument(
         "--p2p-lookup-timeout",
         type=float,
         default=30.0,
-        help=_dependent_help("--p2p-lookup-timeout"),
     )
-    p2p.add_argument(
-        "--p2p-load-timeout", type=float, default=30.0, help=_dependent_help("--p2p-load-timeout")
-    )
-    p2p.add_argument(
-        "--p2p-transfer-engine", default="nixl", help=_dependent_help("--p2p-transfer-engine")
-    )
+    p2p.add_argument("--p2p-load-timeout", type=float, default=30.0)
+    p2p.add_argument("--p2p-transfer-engine", default="nixl")
 
     add_storage_manager_args(
         parser,
@@ -278,17 +260,6 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     # Embedded default: the engine-driven SHM pool is on, named after the port (so a restart
     # on the same port reclaims a stale segment); --shm-name "" turns it off as in 0.5.6.
     parser.set_defaults(shm_name=None)
-    for action in parser._actions:
-        flag = action.option_strings[-1] if action.option_strings else ""
-        if flag == "--shm-name":
-            action.help = (
-                "POSIX shared-memory name for the L1 pool that engine-driven workers map; "
-                '"" disables SHM (copy path) (default: lmcache_l1_pool_<port>)'
-            )
-        elif flag in NOT_PROVIDED:
-            action.help = _not_provided_help(flag)
-        elif flag in DEPENDENT:
-            action.help = _dependent_help(flag)
 
     h = parser.add_argument_group("HTTP frontend")
     h.add_argument("--http-host", default="127.0.0.1", help="HTTP bind host")
@@ -390,19 +361,27 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         ("--coordinator-l2-event-reporting", {"action": "store_true"}),
         ("--coordinator-l2-event-flush-interval", {"type": float}),
     ):
-        c.add_argument(flag, help=_dependent_help(flag), **{"default": None, **kwargs})
+        c.add_argument(flag, **{"default": None, **kwargs})
 
     # 0.5.6 gives every command these (its server prints no report; any value parses there).
     r = parser.add_argument_group("Report flags (accepted, unused: the server prints no report)")
     r.add_argument("--format", default=None, metavar="FORMAT")
     r.add_argument("--output", default=None, metavar="PATH")
     r.add_argument("-q", "--quiet", action="store_true", default=False)
+    # The help of the flags in NOT_PROVIDED and DEPENDENT comes from those tables.
     for action in parser._actions:
-        flag = action.option_strings[-1] if action.option_strings else ""
-        if flag in NOT_PROVIDED:
+        flag = action.option_strings[0] if action.option_strings else ""
+        if flag == "--shm-name":
+            action.help = (
+                "POSIX shared-memory name for the L1 pool that engine-driven workers map; "
+                '"" disables SHM (copy path) (default: lmcache_l1_pool_<port>)'
+            )
+        elif flag in NOT_PROVIDED:
             action.help = _not_provided_help(flag)
+        elif flag in DEPENDENT:
+            action.help = _dependent_help(flag)
         elif not action.help and action.option_strings:
-            action.help = flag.lstrip("-").replace("-", " ")
+            action.help = action.option_strings[-1].lstrip("-").replace("-", " ")
 
 
 def validate_args(args: argparse.Namespace) -> None:

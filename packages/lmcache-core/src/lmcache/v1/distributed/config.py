@@ -612,16 +612,15 @@ def _l2_policies(args: argparse.Namespace) -> tuple[str, str]:
         get_registered_store_policies,
     )
 
-    store_policy = getattr(args, "l2_store_policy", "default")
-    if store_policy not in get_registered_store_policies():
-        raise ValueError(
-            f"--l2-store-policy: unknown policy {store_policy!r}. "
-            f"Known: {', '.join(sorted(get_registered_store_policies()))}"
-        )
-    prefetch_policy = getattr(args, "l2_prefetch_policy", "default")
-    if prefetch_policy not in get_registered_prefetch_policies():
-        raise ValueError(
-            f"--l2-prefetch-policy: unknown policy {prefetch_policy!r}. "
-            f"Known: {', '.join(sorted(get_registered_prefetch_policies()))}"
-        )
-    return store_policy, prefetch_policy
+    chosen = []
+    for flag, registered in (
+        ("--l2-store-policy", get_registered_store_policies()),
+        ("--l2-prefetch-policy", get_registered_prefetch_policies()),
+    ):
+        name = getattr(args, flag[2:].replace("-", "_"), "default")
+        if name not in registered:
+            raise ValueError(
+                f"{flag}: unknown policy {name!r}. Known: {', '.join(sorted(registered))}"
+            )
+        chosen.append(name)
+    return chosen[0], chosen[1]

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from lmcache.utils import init_logger
+from lmcache.utils import RateLimitedLog, init_logger
 from lmcache.v1.distributed.api import ObjectKey
 from lmcache.v1.distributed.config import EvictionConfig
 from lmcache.v1.distributed.internal_api import L1ManagerListener, L2AdapterListener
@@ -317,7 +317,7 @@ class _GuardedLoop:
         self.cycles = 0
         self.errors = 0
         self.consecutive_errors = 0
-        self._last_logged: dict[str, float] = {}
+        self._failures = RateLimitedLog(logger, interval=60.0)  # per distinct error
         self.restarts = 0
         # the last cycle, for /periodic-threads: wall-clock start, duration, error ("" = none)
         self.last_run_time: float | None = None
@@ -352,10 +352,9 @@ class _GuardedLoop:
             self.consecutive_errors += 1
             msg = f"{type(exc).__name__}: {exc}"
             self.last_error = msg
-            now = time.monotonic()
-            if now - self._last_logged.get(msg, -1e9) >= 60.0:
-                self._last_logged[msg] = now
-                logger.error("%s cycle failed: %s\n%s", self.name, msg, traceback.format_exc())
+            self._failures.error(
+                msg, "%s cycle failed: %s\n%s", self.name, msg, traceback.format_exc()
+            )
         finally:
             self.last_duration_ms = (time.perf_counter() - t0) * 1000.0
 
@@ -365,6 +364,10 @@ class _GuardedLoop:
     @property
     def is_healthy(self) -> bool:
         return self.consecutive_errors < 3
+
+    def cycle_counts(self) -> dict[str, int]:
+        """The loop's counters, as ``report_status`` shows them under "eviction"."""
+        return {k: getattr(self, k) for k in ("cycles", "errors", "consecutive_errors", "restarts")}
 
     @property
     def thread_alive(self) -> bool:
@@ -431,12 +434,7 @@ class L1EvictionController(_GuardedLoop, L1ManagerListener):
             "tracked_keys": self.policy.num_tracked(),
             "evicted_keys": self.evicted_keys,
             "triggered_cycles": self.triggered,
-            "eviction": {
-                "cycles": self.cycles,
-                "errors": self.errors,
-                "consecutive_errors": self.consecutive_errors,
-                "restarts": self.restarts,
-            },
+            "eviction": self.cycle_counts(),
             "is_healthy": self.is_healthy,
         }
 
@@ -599,11 +597,6 @@ class L2EvictionController(_GuardedLoop):
             "adapters": adapters,
             "thread_alive": self.thread_alive,
             "evicted_keys": self.evicted_keys,
-            "eviction": {
-                "cycles": self.cycles,
-                "errors": self.errors,
-                "consecutive_errors": self.consecutive_errors,
-                "restarts": self.restarts,
-            },
+            "eviction": self.cycle_counts(),
             "is_healthy": self.is_healthy,
         }

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from lmcache.lmcache_native import TTLLock
@@ -36,6 +36,11 @@ __all__ = ["L1Manager"]
 MAX_READ_LOCKS = 128
 
 
+def _read_lock_count(read_locks: int) -> int:
+    """The read locks one call may take on a key: 1 to ``MAX_READ_LOCKS``."""
+    return max(1, min(MAX_READ_LOCKS, int(read_locks)))
+
+
 class _Resident:
     __slots__ = ("is_temporary", "obj", "read_lock")
 
@@ -43,6 +48,11 @@ class _Resident:
         self.obj = obj
         self.read_lock = TTLLock(ttl)
         self.is_temporary = is_temporary
+
+    def lock_for_read(self, n: int) -> L1OperationResult:
+        """Take ``n`` read locks; the result a read reservation reports for the key."""
+        self.read_lock.lock(n)
+        return (L1Error.SUCCESS, self.obj)
 
 
 class _Staged:
@@ -276,21 +286,31 @@ class L1Manager(L1ManagerInterface):
             return L1Error.KEY_IN_WRONG_STATE, None
         return L1Error.SUCCESS, st
 
+    def _take_each_staged(
+        self, keys: list[ObjectKey], tag: str
+    ) -> Iterator[tuple[ObjectKey, L1Error, _Staged | None]]:
+        """``_take_staged`` of every key (under ``self._mu``), one clock reading for all."""
+        now = time.monotonic()
+        for key in keys:
+            yield (key, *self._take_staged(key, tag, now))
+
+    def _make_resident(self, key: ObjectKey, st: _Staged) -> tuple[_Resident, bool]:
+        """Publish a finished write: the key's resident entry, and whether this write made it
+        (when another writer won, its entry stays and this buffer is released)."""
+        entry = self._resident.get(key)
+        if entry is not None:
+            self._release(st.obj)
+            return entry, False
+        entry = self._resident[key] = _Resident(st.obj, self._read_ttl, st.is_temporary)
+        return entry, True
+
     def finish_write(self, keys: list[ObjectKey], tag: str = "") -> dict[ObjectKey, L1Error]:
         out: dict[ObjectKey, L1Error] = {}
         with self._mu:
-            now = time.monotonic()
             admitted: list[ObjectKey] = []
-            for key in keys:
-                err, st = self._take_staged(key, tag, now)
-                out[key] = err
-                if st is None:
-                    continue
-                if key in self._resident:
-                    self._release(st.obj)  # another writer won; still SUCCESS
-                    continue
-                self._resident[key] = _Resident(st.obj, self._read_ttl, st.is_temporary)
-                if not st.is_temporary:
+            for key, err, st in self._take_each_staged(keys, tag):
+                out[key] = err  # SUCCESS also when another writer won
+                if st is not None and self._make_resident(key, st)[1] and not st.is_temporary:
                     admitted.append(key)
             self._fire("on_l1_keys_write_finished", admitted)
             # reservations that expired leave nothing behind: trackers forget them
@@ -301,23 +321,16 @@ class L1Manager(L1ManagerInterface):
     def finish_write_and_reserve_read(
         self, keys: list[ObjectKey], read_locks: int = 1, tag: str = ""
     ) -> dict[ObjectKey, L1OperationResult]:
-        n = max(1, min(MAX_READ_LOCKS, int(read_locks)))
+        n = _read_lock_count(read_locks)
         out: dict[ObjectKey, L1OperationResult] = {}
         with self._mu:
-            now = time.monotonic()
             done: list[ObjectKey] = []
-            for key in keys:
-                err, st = self._take_staged(key, tag, now)
+            for key, err, st in self._take_each_staged(keys, tag):
                 if st is None:
                     out[key] = (err, None)
                     continue
-                entry = self._resident.get(key)
-                if entry is not None:
-                    self._release(st.obj)
-                else:
-                    entry = self._resident[key] = _Resident(st.obj, self._read_ttl, st.is_temporary)
-                entry.read_lock.lock(n)
-                out[key] = (L1Error.SUCCESS, entry.obj)
+                entry, _ = self._make_resident(key, st)
+                out[key] = entry.lock_for_read(n)
                 done.append(key)
             self._fire("on_l1_keys_finish_write_and_reserve_read", done)
         return out
@@ -346,7 +359,7 @@ class L1Manager(L1ManagerInterface):
     def reserve_read(
         self, keys: list[ObjectKey], read_locks: int = 1
     ) -> dict[ObjectKey, L1OperationResult]:
-        n = max(1, min(MAX_READ_LOCKS, int(read_locks)))
+        n = _read_lock_count(read_locks)
         out: dict[ObjectKey, L1OperationResult] = {}
         with self._mu:
             locked: list[ObjectKey] = []
@@ -355,8 +368,7 @@ class L1Manager(L1ManagerInterface):
                 if entry is None:
                     out[key] = (L1Error.KEY_NOT_EXIST, None)
                     continue
-                entry.read_lock.lock(n)
-                out[key] = (L1Error.SUCCESS, entry.obj)
+                out[key] = entry.lock_for_read(n)
                 locked.append(key)
             self._fire("on_l1_keys_reserved_read", locked)
         return out
@@ -368,7 +380,7 @@ class L1Manager(L1ManagerInterface):
         locked, and the prefix is locked and touched together (a lookup's hot path)."""
         if not keep_locks:
             return super().reserve_read_prefix(rows, read_locks, keep_locks)
-        n = max(1, min(MAX_READ_LOCKS, int(read_locks)))
+        n = _read_lock_count(read_locks)
         hit = len(rows[0]) if rows else 0
         with self._mu:
             resident = self._resident
@@ -406,7 +418,7 @@ class L1Manager(L1ManagerInterface):
         return out
 
     def finish_read(self, keys: list[ObjectKey], read_locks: int = 1) -> dict[ObjectKey, L1Error]:
-        n = max(1, min(MAX_READ_LOCKS, int(read_locks)))
+        n = _read_lock_count(read_locks)
         out: dict[ObjectKey, L1Error] = {}
         with self._mu:
             finished: list[ObjectKey] = []

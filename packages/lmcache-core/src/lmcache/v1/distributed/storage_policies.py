@@ -117,25 +117,10 @@ _PREFETCH: _PolicyTable[PrefetchPolicy] = _PolicyTable(
 )
 
 
-def register_store_policy(name: str, cls: type[StorePolicy]) -> None:
-    _STORE.register(name, cls)
-
-
-def get_registered_store_policies() -> list[str]:
-    return _STORE.names()
-
-
-def create_store_policy(name: str) -> StorePolicy:
-    return _STORE.create(name)
-
-
-def register_prefetch_policy(name: str, cls: type[PrefetchPolicy]) -> None:
-    _PREFETCH.register(name, cls)
-
-
-def get_registered_prefetch_policies() -> list[str]:
-    return _PREFETCH.names()
-
-
-def create_prefetch_policy(name: str) -> PrefetchPolicy:
-    return _PREFETCH.create(name)
+# The module's functions are the tables' methods.
+register_store_policy = _STORE.register
+get_registered_store_policies = _STORE.names
+create_store_policy = _STORE.create
+register_prefetch_policy = _PREFETCH.register
+get_registered_prefetch_policies = _PREFETCH.names
+create_prefetch_policy = _PREFETCH.create

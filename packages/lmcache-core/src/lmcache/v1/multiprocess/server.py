@@ -20,9 +20,11 @@ docs/design/protocol.md#server-threads, docs/design/protocol.md#framing:
 from __future__ import annotations
 
 import collections
+import functools
 import itertools
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -209,20 +211,14 @@ class MPCacheServer:
         def reply(value: Any) -> None:
             self._reply(peer, uid_b, op_b, value, features)
 
+        fail = functools.partial(self._fail, peer, uid_b, op_b, features)
+
         try:
             P.decode(uid_b)
             spec = self._supported_ops.get(op_b)
             op_val = None if spec is not None else P.decode(op_b)
         except Exception:
-            self._fail(
-                peer,
-                uid_b,
-                op_b,
-                "?",
-                ErrorCode.BAD_REQUEST,
-                "undecodable uid or op frame",
-                features,
-            )
+            fail("?", ErrorCode.BAD_REQUEST, "undecodable uid or op frame")
             return
         if spec is None:
             spec = P.lookup_op(op_val)
@@ -249,29 +245,17 @@ class MPCacheServer:
             return
         payloads = frames[3:]
         if not spec.min_params <= len(payloads) <= spec.max_params:
-            self._fail(
-                peer,
-                uid_b,
-                op_b,
+            fail(
                 spec.name,
                 ErrorCode.BAD_REQUEST,
                 f"{spec.name} takes {spec.min_params}..{spec.max_params} payload frames, got {len(payloads)}",
-                features,
             )
             return
         if not self.accepting:
-            self._fail(
-                peer,
-                uid_b,
-                op_b,
-                spec.name,
-                ErrorCode.SHUTTING_DOWN,
-                "server is stopping",
-                features,
-            )
+            fail(spec.name, ErrorCode.SHUTTING_DOWN, "server is stopping")
             return
         if spec.name == "negotiate_features":
-            args = self._decode_args(spec, payloads, peer, uid_b, op_b, features)
+            args = self._decode_args(spec, payloads, fail)
             if args is None:
                 return
             enabled = frozenset(f for f in args[0] if f in P.SUPPORTED_FEATURES)
@@ -288,7 +272,7 @@ class MPCacheServer:
             slot = self._slot(peer)
             idle = self._slot_submitted[slot] == self._slot_finished[slot]
             if idle and sum(len(f) for f in payloads) <= _INLINE_MAX_PAYLOAD:
-                args = self._decode_args(spec, payloads, peer, uid_b, op_b, features)
+                args = self._decode_args(spec, payloads, fail)
                 if args is None:
                     return
                 if self.engine.runs_inline(spec.name, args):
@@ -312,28 +296,15 @@ class MPCacheServer:
         self._affinity[slot].submit(run)
 
     def _decode_args(
-        self,
-        spec: P.OpSpec,
-        payloads: list[zmq.Frame],
-        peer: bytes,
-        uid_b: bytes,
-        op_b: bytes,
-        features: frozenset[str],
+        self, spec: P.OpSpec, payloads: list[zmq.Frame], fail: Callable[[str, ErrorCode, str], None]
     ) -> list[Any] | None:
+        """The decoded params, or None after ``fail`` has answered the request."""
         try:
             return [
                 P.decode_param(p, f.buffer) for p, f in zip(spec.params, payloads, strict=False)
             ]
         except (msgspec.ValidationError, msgspec.DecodeError, ValueError, TypeError) as exc:
-            self._fail(
-                peer,
-                uid_b,
-                op_b,
-                spec.name,
-                ErrorCode.BAD_REQUEST,
-                f"bad payload for {spec.name}: {exc}",
-                features,
-            )
+            fail(spec.name, ErrorCode.BAD_REQUEST, f"bad payload for {spec.name}: {exc}")
             return None
 
     def _slot(self, peer: bytes) -> int:
@@ -358,7 +329,8 @@ class MPCacheServer:
         uid_b: bytes,
         op_b: bytes,
     ) -> None:
-        args = self._decode_args(spec, payloads, ctx.peer, uid_b, op_b, ctx.features)
+        fail = functools.partial(self._fail, ctx.peer, uid_b, op_b, ctx.features)
+        args = self._decode_args(spec, payloads, fail)
         if args is None:
             return
         self._call(spec, ctx, args, uid_b, op_b)
@@ -370,7 +342,7 @@ class MPCacheServer:
         try:
             result = self.engine.handlers[spec.name](ctx, *args)
         except RequestError as exc:
-            self._fail(ctx.peer, uid_b, op_b, spec.name, exc.code, exc.message, ctx.features)
+            self._fail(ctx.peer, uid_b, op_b, ctx.features, spec.name, exc.code, exc.message)
             return
         except Exception as exc:
             logger.exception("Error in blocking handler for %s", spec.name)
@@ -378,10 +350,10 @@ class MPCacheServer:
                 ctx.peer,
                 uid_b,
                 op_b,
+                ctx.features,
                 spec.name,
                 ErrorCode.INTERNAL,
                 f"{type(exc).__name__}: {exc}",
-                ctx.features,
             )
             return
         if spec.kind == HandlerKind.AFFINITY:  # the transfer ops
@@ -412,10 +384,10 @@ class MPCacheServer:
         peer: bytes,
         uid_b: bytes,
         op_b: bytes,
+        features: frozenset[str],
         op_name: str,
         code: ErrorCode,
         message: str,
-        features: frozenset[str],
     ) -> None:
         logger.error(
             "Request failed (op=%s, uid=%r, peer=%s): %s: %s",

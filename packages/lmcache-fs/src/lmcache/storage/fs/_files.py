@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from lmcache.utils import init_logger
 from lmcache.v1.distributed.api import ObjectKey
 from lmcache.v1.distributed.l2_adapters.key_codec import filename_to_object_key
+from lmcache.v1.distributed.l2_adapters.utils import fsync_dir
 
 logger = init_logger(__name__)
 
@@ -49,17 +50,6 @@ def unique_tmp_name(final_name: str) -> str:
     """``<stem>.<pid>-<tid>-<8 hex>.tmp``: unique per writer, never a parseable ``.data``."""
     stem = final_name[: -len(DATA_SUFFIX)] if final_name.endswith(DATA_SUFFIX) else final_name
     return f"{stem}.{os.getpid()}-{threading.get_native_id()}-{secrets.token_hex(4)}{TMP_SUFFIX}"
-
-
-def fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def publish_no_replace(tmp_path: str, final_path: str) -> bool:

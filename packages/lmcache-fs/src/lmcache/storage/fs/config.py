@@ -11,8 +11,6 @@ from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
 
 logger = init_logger(__name__)
 
-GIB = 1 << 30
-
 
 def _base_path(d: dict[str, Any]) -> str:
     v = d.get("base_path")
@@ -35,13 +33,6 @@ def _bool(d: dict[str, Any], key: str, default: bool) -> bool:
     if not isinstance(v, bool):
         raise ValueError(f"{key} must be a boolean")
     return v
-
-
-def _capacity(d: dict[str, Any]) -> float:
-    v = d.get("max_capacity_gb", 0)
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
-        raise ValueError("max_capacity_gb must be a non-negative number")
-    return float(v)
 
 
 def check_relative_tmp_dir(tmp: str | None) -> None:
@@ -93,7 +84,7 @@ class FSL2AdapterConfig(L2AdapterConfigBase):
             relative_tmp_dir=tmp,
             read_ahead_size=_opt_positive_int(d, "read_ahead_size"),
             use_odirect=_bool(d, "use_odirect", False),
-            max_capacity_gb=_capacity(d),
+            max_capacity_gb=cls._parse_max_capacity_gb(d),
             fsync=_bool(d, "fsync", True),
             num_workers=cls._validate_num_workers(d.get("num_workers", 8)),
         )
@@ -106,10 +97,6 @@ class FSL2AdapterConfig(L2AdapterConfigBase):
             + _COMMON_HELP
             + "  num_workers       (int, 8)         keys of one task processed concurrently\n"
         )
-
-    @property
-    def max_capacity_bytes(self) -> int:
-        return int(self.max_capacity_gb * GIB)
 
 
 @dataclass
@@ -138,7 +125,7 @@ class FSNativeL2AdapterConfig(L2AdapterConfigBase):
             relative_tmp_dir=tmp,
             use_odirect=_bool(d, "use_odirect", False),
             read_ahead_size=_opt_positive_int(d, "read_ahead_size"),
-            max_capacity_gb=_capacity(d),
+            max_capacity_gb=cls._parse_max_capacity_gb(d),
             fsync=_bool(d, "fsync", True),
         )
         if cfg.max_capacity_gb > 0 and d.get("eviction") is None:
@@ -157,7 +144,3 @@ class FSNativeL2AdapterConfig(L2AdapterConfigBase):
             + _COMMON_HELP
             + "  num_workers       (int, 4)         C++ worker threads\n"
         )
-
-    @property
-    def max_capacity_bytes(self) -> int:
-        return int(self.max_capacity_gb * GIB)

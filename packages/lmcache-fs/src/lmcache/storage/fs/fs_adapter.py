@@ -13,7 +13,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
 
-from lmcache.lmcache_native import Bitmap, TTLLock
+from lmcache.lmcache_native import Bitmap
 from lmcache.storage.fs._files import (
     ScanProgress,
     fs_block_size,
@@ -28,7 +28,11 @@ from lmcache.v1.distributed.internal_api import L2StoreResult
 from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface, L2TaskId
 from lmcache.v1.distributed.l2_adapters.health import HealthTracker
 from lmcache.v1.distributed.l2_adapters.key_codec import object_key_to_filename
-from lmcache.v1.distributed.l2_adapters.utils import CompletionChannels
+from lmcache.v1.distributed.l2_adapters.utils import (
+    CompletionChannels,
+    KeyLockTable,
+    record_unknown_keys,
+)
 
 logger = init_logger(__name__)
 # Per-file errors repeat for every key while a disk is full: one line per kind every 30 s.
@@ -42,7 +46,10 @@ MAX_DELETES_IN_FLIGHT = 64
 class _Batch:
     """Counts down the keys of one task; the last one finishes the task."""
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, tid: L2TaskId, keys: list[ObjectKey]) -> None:
+        self.tid = tid
+        self.keys = keys
+        n = len(keys)
         self.remaining = n
         self.ok = [False] * n
         self.new_bytes = [0] * n
@@ -57,6 +64,12 @@ class _Batch:
                 self.error = error
             self.remaining -= 1
             return self.remaining == 0
+
+    def report_health(self, health: HealthTracker, op: str) -> None:
+        if self.error is None:
+            health.success(op)
+        else:
+            health.failure(op, self.error)
 
 
 class FSL2Adapter(CompletionChannels, L2AdapterInterface):
@@ -92,7 +105,7 @@ class FSL2Adapter(CompletionChannels, L2AdapterInterface):
         # Keys of stores not finished yet: the start-up scan leaves files it finds for them to
         # the store, which counts and reports them itself.
         self._storing: collections.Counter[ObjectKey] = collections.Counter()
-        self._locks: dict[ObjectKey, TTLLock] = {}
+        self._locks = KeyLockTable(LOCK_TTL_SECONDS)
         self._deleting: set[ObjectKey] = set()
         self._closed = False
 
@@ -133,15 +146,9 @@ class FSL2Adapter(CompletionChannels, L2AdapterInterface):
 
     def _on_recovered(self, keys: list[ObjectKey], sizes: list[int]) -> None:
         with self._lock:
-            fresh = [
-                (k, s)
-                for k, s in zip(keys, sizes, strict=False)
-                if k not in self._sizes and k not in self._storing
-            ]
-            for k, s in fresh:
-                self._sizes[k] = s
+            fresh, fresh_sizes = record_unknown_keys(self._sizes, self._storing, keys, sizes)
         if fresh:
-            self._notify_keys_stored([k for k, _ in fresh], [s for _, s in fresh])
+            self._notify_keys_stored(fresh, fresh_sizes)
 
     def register_listener(self, listener: Any) -> None:
         """Also replays the keys already known (recovered or stored) to the new listener, so
@@ -158,23 +165,24 @@ class FSL2Adapter(CompletionChannels, L2AdapterInterface):
         except RuntimeError:  # closed: the task simply never completes
             pass
 
+    def _submit_per_key(self, fn: Any, batch: _Batch, objects: list[Any]) -> None:
+        """``fn(batch, i, key, obj)`` for every key of ``batch`` on the pool."""
+        for i, (key, obj) in enumerate(zip(batch.keys, objects, strict=False)):
+            self._submit(fn, batch, i, key, obj)
+
     # --- store ----------------------------------------------------------------------------
 
     def submit_store_task(self, keys: list[ObjectKey], objects: list[Any]) -> L2TaskId:
-        tid = next(self._ids)
+        batch = _Batch(next(self._ids), list(keys))
         if not keys:
-            self._finish_store(tid, [], _Batch(0))
-            return tid
-        batch = _Batch(len(keys))
+            self._finish_store(batch)
+            return batch.tid
         with self._lock:
             self._storing.update(keys)
-        for i, (key, obj) in enumerate(zip(keys, objects, strict=False)):
-            self._submit(self._store_one, tid, keys, batch, i, key, obj)
-        return tid
+        self._submit_per_key(self._store_one, batch, objects)
+        return batch.tid
 
-    def _store_one(
-        self, tid: L2TaskId, keys: list[ObjectKey], batch: _Batch, i: int, key: ObjectKey, obj: Any
-    ) -> None:
+    def _store_one(self, batch: _Batch, i: int, key: ObjectKey, obj: Any) -> None:
         ok, written, error = False, 0, None
         try:
             data = obj.byte_array
@@ -190,9 +198,10 @@ class FSL2Adapter(CompletionChannels, L2AdapterInterface):
             error = f"{object_key_to_filename(key)}: {exc}"
             _file_errors.warning(("store", self._base), "fs: store of %s failed", error)
         if batch.done(i, ok, written, error):
-            self._finish_store(tid, keys, batch)
+            self._finish_store(batch)
 
-    def _finish_store(self, tid: L2TaskId, keys: list[ObjectKey], batch: _Batch) -> None:
+    def _finish_store(self, batch: _Batch) -> None:
+        keys = batch.keys
         new: list[tuple[ObjectKey, int]] = []
         with self._lock:
             self._storing -= collections.Counter(keys)  # drops keys that reach 0
@@ -203,12 +212,9 @@ class FSL2Adapter(CompletionChannels, L2AdapterInterface):
         if new:
             self._notify_keys_stored([k for k, _ in new], [n for _, n in new])
         if keys:
-            if batch.error is None:
-                self._health.success("store")
-            else:
-                self._health.failure("store", batch.error)
+            batch.report_health(self._health, "store")
         result = L2StoreResult(all(batch.ok), sum(n for _, n in new), error=batch.error)
-        self._store_channel.complete(tid, result)
+        self._store_channel.complete(batch.tid, result)
 
     # --- lookup and lock -----------------------------------------------------------------
 
@@ -226,7 +232,7 @@ class FSL2Adapter(CompletionChannels, L2AdapterInterface):
             with self._lock:
                 if key in self._deleting:
                     continue
-                self._locks.setdefault(key, TTLLock(LOCK_TTL_SECONDS)).lock()
+                self._locks.lock([key])
             try:
                 st = os.stat(self._path(key))
                 hit = st.st_size > 0
@@ -235,26 +241,14 @@ class FSL2Adapter(CompletionChannels, L2AdapterInterface):
             if hit:
                 bm.set(i)
             else:
-                self._unlock_one(key)
+                self._locks.unlock([key])
         self._lookup_channel.complete(tid, bm)
 
-    def _unlock_one(self, key: ObjectKey) -> None:
-        with self._lock:
-            lock = self._locks.get(key)
-            if lock is None:
-                return
-            lock.unlock()
-            if not lock.is_locked():
-                del self._locks[key]
-
     def submit_unlock(self, keys: list[ObjectKey]) -> None:
-        for key in keys:
-            self._unlock_one(key)
+        self._locks.unlock(list(keys))
 
     def is_locked(self, key: ObjectKey) -> bool:
-        with self._lock:
-            lock = self._locks.get(key)
-            return lock is not None and lock.is_locked()
+        return self._locks.is_locked(key)
 
     # --- load -----------------------------------------------------------------------------
 
@@ -263,14 +257,10 @@ class FSL2Adapter(CompletionChannels, L2AdapterInterface):
         if not keys:
             self._load_channel.complete(tid, Bitmap(0))
             return tid
-        batch = _Batch(len(keys))
-        for i, (key, obj) in enumerate(zip(keys, objects, strict=False)):
-            self._submit(self._load_one, tid, keys, batch, i, key, obj)
+        self._submit_per_key(self._load_one, _Batch(tid, list(keys)), objects)
         return tid
 
-    def _load_one(
-        self, tid: L2TaskId, keys: list[ObjectKey], batch: _Batch, i: int, key: ObjectKey, obj: Any
-    ) -> None:
+    def _load_one(self, batch: _Batch, i: int, key: ObjectKey, obj: Any) -> None:
         ok, error = False, None
         try:
             dest = obj.byte_array
@@ -285,19 +275,8 @@ class FSL2Adapter(CompletionChannels, L2AdapterInterface):
             _file_errors.warning(("load", self._base), "fs: load of %s failed", error)
         if not batch.done(i, ok, error=error):
             return
-        if batch.error is None:
-            self._health.success("load")
-        else:
-            self._health.failure("load", batch.error)
-        bm = Bitmap(len(keys))
-        loaded = []
-        for j, good in enumerate(batch.ok):
-            if good:
-                bm.set(j)
-                loaded.append(keys[j])
-        if loaded:
-            self._notify_keys_accessed(loaded)
-        self._load_channel.complete(tid, bm)
+        batch.report_health(self._health, "load")
+        self._complete_load(batch.tid, batch.keys, batch.ok)
 
     # --- delete ---------------------------------------------------------------------------
 
@@ -307,8 +286,7 @@ class FSL2Adapter(CompletionChannels, L2AdapterInterface):
         with self._lock:
             todo = []
             for key in dict.fromkeys(keys):
-                lock = self._locks.get(key)
-                if (lock is not None and lock.is_locked()) or key in self._deleting:
+                if self._locks.is_locked(key) or key in self._deleting:
                     continue
                 self._deleting.add(key)
                 todo.append(key)
@@ -349,7 +327,7 @@ class FSL2Adapter(CompletionChannels, L2AdapterInterface):
 
     def report_status(self) -> dict[str, Any]:
         with self._lock:
-            locked = sum(1 for lk in self._locks.values() if lk.is_locked())
+            locked = self._locks.num_locked()
             known = len(self._sizes)
         health = self._health.status()
         healthy = health["healthy"] and not self._closed and self._scan.error is None

@@ -7,6 +7,8 @@ import threading
 import time
 from typing import Any
 
+from lmcache.utils import RateLimitedLog
+
 WARN_INTERVAL_S = 10.0
 
 
@@ -16,17 +18,14 @@ class Health:
     adapter unhealthy until the next success; a caller's error (a bad buffer) does not."""
 
     def __init__(self, logger: Any, prefix: str, interval_s: float = WARN_INTERVAL_S) -> None:
-        self._logger = logger
+        self._warnings = RateLimitedLog(logger, interval=interval_s)
         self._prefix = prefix
-        self._interval = interval_s
         self._mu = threading.Lock()
         self._last_error: str | None = None
         self._last_error_time: float | None = None
         self._last_success_time: float | None = None
         self._backend_failing = False
         self._errors = 0
-        self._last_warn = float("-inf")
-        self._held_back = 0
 
     def success(self) -> None:
         with self._mu:
@@ -34,20 +33,13 @@ class Health:
             self._backend_failing = False
 
     def failure(self, message: str, *, backend: bool) -> None:
-        now = time.monotonic()
         with self._mu:
             self._last_error = message
             self._last_error_time = time.time()
             self._errors += 1
             if backend:
                 self._backend_failing = True
-            if now - self._last_warn < self._interval:
-                self._held_back += 1
-                return
-            held, self._held_back = self._held_back, 0
-            self._last_warn = now
-        more = f" ({held} similar warnings held back in the last {self._interval:.0f} s)"
-        self._logger.warning("%s: %s%s", self._prefix, message, more if held else "")
+        self._warnings.warning(self._prefix, "%s: %s", self._prefix, message)
 
     def snapshot(self, alive: bool) -> dict[str, Any]:
         with self._mu:

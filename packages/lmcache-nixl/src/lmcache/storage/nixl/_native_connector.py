@@ -43,6 +43,7 @@ from lmcache.v1.distributed.l2_adapters.key_codec import (
     object_key_to_filename,
     string_to_object_key,
 )
+from lmcache.v1.distributed.l2_adapters.utils import fsync_dir
 
 DIRECT_IO_ALIGN = 512
 MIN_WAIT_S = 0.00005
@@ -345,7 +346,7 @@ class NixlFileConnector(NixlConnector):
             pass  # another writer published the same key first
         finally:
             _unlink(tmp)
-        _fsync_dir(self.root)
+        fsync_dir(self.root)
 
     def get_one(self, agent: Any, key: str, addr: int, n: int) -> bool:
         try:
@@ -396,23 +397,23 @@ class NixlObjConnector(NixlConnector):
         return next(self._dev_ids) % (1 << 31)
 
     def set_one(self, agent: Any, key: str, addr: int, n: int) -> None:
-        dev = self._dev()
-        reg = agent.register_memory([(0, n, dev, key)], mem_type="OBJ")
-        try:
-            self.move(agent, "WRITE", addr, n, (0, n, dev), "OBJ")
-        finally:
-            agent.deregister_memory(reg)
+        self._move_object(agent, "WRITE", key, addr, n)
 
     def get_one(self, agent: Any, key: str, addr: int, n: int) -> bool:
         if not self.exists_many(agent, [key])[0]:
             return False
+        self._move_object(agent, "READ", key, addr, n)
+        return True
+
+    def _move_object(self, agent: Any, op: str, key: str, addr: int, n: int) -> None:
+        """``op`` (READ or WRITE) ``n`` bytes at ``addr`` from/to the object ``key``, through a
+        registration of the object that lives only for this transfer."""
         dev = self._dev()
         reg = agent.register_memory([(0, n, dev, key)], mem_type="OBJ")
         try:
-            self.move(agent, "READ", addr, n, (0, n, dev), "OBJ")
+            self.move(agent, op, addr, n, (0, n, dev), "OBJ")
         finally:
             agent.deregister_memory(reg)
-        return True
 
     def exists_many(self, agent: Any, keys: list[str]) -> list[bool]:
         found = agent.query_memory(
@@ -456,16 +457,3 @@ def _unlink(path: str) -> None:
         os.unlink(path)
     except FileNotFoundError:
         pass
-
-
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)

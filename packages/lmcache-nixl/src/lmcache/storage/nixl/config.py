@@ -13,8 +13,6 @@ from typing import Any
 
 from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
 
-GIB = 1 << 30
-
 VALID_NIXL_BACKENDS = ("GDS", "GDS_MT", "POSIX", "HF3FS", "OBJ", "AZURE_BLOB", "IBM_SCALE")
 FILE_BACKENDS = ("GDS", "GDS_MT", "POSIX", "HF3FS", "IBM_SCALE")
 OBJECT_BACKENDS = ("OBJ", "AZURE_BLOB")
@@ -146,17 +144,12 @@ class NixlNativeL2AdapterConfig(L2AdapterConfigBase):
                 "shard_dirs is not supported by nixl_native: files are written flat under "
                 "file_path with the fs file names — remove 'shard_dirs'"
             )
-        num_workers = d.get("num_workers", 4)
-        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers <= 0:
-            raise ValueError("num_workers must be a positive integer")
-        cap = d.get("max_capacity_gb", 0)
-        if isinstance(cap, bool) or not isinstance(cap, (int, float)) or cap < 0:
-            raise ValueError("max_capacity_gb must be a non-negative number")
+        num_workers = cls._validate_num_workers(d.get("num_workers", 4))
         return cls(
             backend=backend,
             backend_params=params,
             num_workers=num_workers,
-            max_capacity_gb=float(cap),
+            max_capacity_gb=cls._parse_max_capacity_gb(d),
         )
 
     @classmethod
@@ -173,7 +166,3 @@ class NixlNativeL2AdapterConfig(L2AdapterConfigBase):
             "  num_workers     (int, 4)         worker threads, one NIXL agent each\n"
             "  max_capacity_gb (float, 0)       capacity for usage and L2 eviction (0 = unlimited)\n"
         )
-
-    @property
-    def max_capacity_bytes(self) -> int:
-        return int(self.max_capacity_gb * GIB)

@@ -8,8 +8,6 @@ from typing import Any
 
 from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
 
-GIB = 1 << 30
-
 
 def _str(d: dict[str, Any], key: str, env: str) -> str:
     v = d.get(key, os.environ.get(env, ""))
@@ -67,9 +65,6 @@ class RESPL2AdapterConfig(L2AdapterConfigBase):
         port = _positive_int(port, "port")
         if port > 65535:
             raise ValueError("port must be a positive integer (at most 65535)")
-        cap = d.get("max_capacity_gb", 0)
-        if isinstance(cap, bool) or not isinstance(cap, (int, float)) or cap < 0:
-            raise ValueError("max_capacity_gb must be a non-negative number")
         db = d.get("db", 0)
         if isinstance(db, bool) or not isinstance(db, int) or db < 0:
             raise ValueError("db must be a non-negative integer")
@@ -88,7 +83,7 @@ class RESPL2AdapterConfig(L2AdapterConfigBase):
             num_workers=cls._validate_num_workers(d.get("num_workers", 8)),
             username=_str(d, "username", "LMCACHE_RESP_USERNAME"),
             password=_str(d, "password", "LMCACHE_RESP_PASSWORD"),
-            max_capacity_gb=float(cap),
+            max_capacity_gb=cls._parse_max_capacity_gb(d),
             db=db,
             pipeline_depth=_positive_int(d.get("pipeline_depth", 16), "pipeline_depth"),
             socket_timeout_s=float(timeout),
@@ -112,7 +107,3 @@ class RESPL2AdapterConfig(L2AdapterConfigBase):
             "                   (0 = off); /status and /healthcheck show its health\n"
             "  max_capacity_gb  (float, 0)    capacity for usage and L2 eviction (0 = unlimited)\n"
         )
-
-    @property
-    def max_capacity_bytes(self) -> int:
-        return int(self.max_capacity_gb * GIB)

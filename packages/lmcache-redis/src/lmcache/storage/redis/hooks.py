@@ -8,22 +8,24 @@ from __future__ import annotations
 from typing import Any
 
 from lmcache.storage.redis.config import RESPL2AdapterConfig
-from lmcache.v1.distributed.l2_adapters.hookspecs import L2AdapterTypeSpec, hookimpl
+from lmcache.v1.distributed.l2_adapters.hookspecs import (
+    L2AdapterTypeSpec,
+    hookimpl,
+    import_dependency,
+)
 
 
 def create_resp_adapter(config: RESPL2AdapterConfig, l1_memory_desc: Any = None) -> Any:
-    try:
-        from lmcache.storage.redis._native import LMCacheRedisClient
-    except ImportError as exc:
-        raise ImportError(
-            f"the resp adapter needs the compiled client of lmcache-redis ({exc}); "
-            "reinstall it with `pip install lmcache-redis`"
-        ) from exc
+    native = import_dependency(
+        "lmcache.storage.redis._native",
+        "the resp adapter needs the compiled client of lmcache-redis",
+        "reinstall it with `pip install lmcache-redis`",
+    )
     from lmcache.v1.distributed.l2_adapters.native_connector_l2_adapter import (
         NativeConnectorL2Adapter,
     )
 
-    client = LMCacheRedisClient(
+    client = native.LMCacheRedisClient(
         config.host,
         config.port,
         config.num_workers,

@@ -22,7 +22,7 @@ from lmcache.storage.s3.breaker import CircuitBreaker
 from lmcache.storage.s3.config import S3L2AdapterConfig
 from lmcache.storage.s3.objects import MAX_KEYS_PER_PAGE, parse_list_page
 from lmcache.storage.s3.transport import Outcome, S3Transport
-from lmcache.utils import init_logger
+from lmcache.utils import RateLimitedLog, init_logger
 from lmcache.v1.distributed.api import KeyEntry, KeyListPage, ObjectKey
 from lmcache.v1.distributed.internal_api import L2StoreResult
 from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface, L2TaskId
@@ -55,29 +55,6 @@ class _Task:
             return self.remaining == 0
 
 
-class _WarnLimiter:
-    """At most one warning per kind every 10 s; the next one says how many were dropped."""
-
-    def __init__(self) -> None:
-        self._mu = threading.Lock()
-        self._last: dict[str, float] = {}
-        self._dropped: dict[str, int] = {}
-
-    def warn(self, kind: str, msg: str, *args: Any) -> None:
-        now = time.monotonic()
-        with self._mu:
-            if now - self._last.get(kind, -1e9) < WARN_INTERVAL_SECONDS:
-                self._dropped[kind] = self._dropped.get(kind, 0) + 1
-                return
-            self._last[kind] = now
-            dropped = self._dropped.pop(kind, 0)
-        if dropped:
-            msg += (
-                f" ({dropped} similar messages suppressed in the last {WARN_INTERVAL_SECONDS:g} s)"
-            )
-        logger.warning(msg, *args)
-
-
 def _bytes_view(obj: Any) -> memoryview:
     view = memoryview(obj.byte_array)
     return view if view.format == "B" else view.cast("B")
@@ -104,7 +81,8 @@ class S3L2Adapter(CompletionChannels, L2AdapterInterface):
         self._breaker = CircuitBreaker(
             config.s3_max_connection_failures, config.s3_circuit_reset_seconds
         )
-        self._warn = _WarnLimiter()
+        # At most one warning per kind every 10 s; the next one says how many were left out.
+        self._warn = RateLimitedLog(logger, interval=WARN_INTERVAL_SECONDS)
         self._open_channels()
         self._ids = TaskIds()
         self._locks = KeyLockTable()
@@ -160,14 +138,14 @@ class S3L2Adapter(CompletionChannels, L2AdapterInterface):
                 self._cfg.s3_circuit_reset_seconds,
             )
             return
-        self._warn.warn(op, "s3: %s failed: %s", where, out.error)
+        self._warn.warning(op, "s3: %s failed: %s", where, out.error)
 
     def _admit(self, op: str, n: int) -> bool:
         """False (and a rate-limited warning) while the breaker refuses requests."""
         if self._breaker.allow():
             return True
         snap = self._breaker.snapshot()
-        self._warn.warn(
+        self._warn.warning(
             "breaker",
             "s3: circuit breaker %s for %s (last error: %s); %s of %d keys failed without a "
             "request, next probe in %.1f s",
@@ -208,7 +186,7 @@ class S3L2Adapter(CompletionChannels, L2AdapterInterface):
         with self._lock:
             self._last_error = f"probe {self._url}: {out.error}"
             self._last_error_time = time.time()
-        self._warn.warn(
+        self._warn.warning(
             "probe",
             "s3: probe of %s failed (%s); breaker stays open for %.1f s",
             self._url,
@@ -340,7 +318,7 @@ class S3L2Adapter(CompletionChannels, L2AdapterInterface):
             with self._lock:
                 self._known_sizes.pop(name, None)
         if mismatch and (out.size or 0) > capacity:
-            self._warn.warn(
+            self._warn.warning(
                 "oversized",
                 "s3: load of %s/%s failed: the object is larger than the %d-byte buffer "
                 "(nothing was written past it; another writer used another chunk layout?)",
@@ -356,15 +334,7 @@ class S3L2Adapter(CompletionChannels, L2AdapterInterface):
             self._finish(self._finish_load, task)
 
     def _finish_load(self, task: _Task) -> None:
-        bm = Bitmap(len(task.keys))
-        loaded = []
-        for i, ok in enumerate(task.ok):
-            if ok:
-                bm.set(i)
-                loaded.append(task.keys[i])
-        if loaded:
-            self._notify_keys_accessed(loaded)
-        self._load_channel.complete(task.tid, bm)
+        self._complete_load(task.tid, task.keys, task.ok)
 
     # --- delete and listing ---------------------------------------------------------------
 

@@ -11,7 +11,6 @@ from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
 
 logger = init_logger(__name__)
 
-GIB = 1 << 30
 ADDRESSING_STYLES = ("virtual", "path")
 
 
@@ -166,10 +165,6 @@ class S3L2AdapterConfig(L2AdapterConfigBase):
         if self.s3_addressing_style == "path":
             return S3Target(host, f"/{self.s3_bucket}", tls, self.s3_bucket)
         return S3Target(host, "", tls, None)
-
-    @property
-    def max_capacity_bytes(self) -> int:
-        return int(self.max_capacity_gb * GIB)
 
     @classmethod
     def help(cls) -> str:

@@ -8,17 +8,19 @@ from __future__ import annotations
 from typing import Any
 
 from lmcache.storage.s3.config import S3L2AdapterConfig
-from lmcache.v1.distributed.l2_adapters.hookspecs import L2AdapterTypeSpec, hookimpl
+from lmcache.v1.distributed.l2_adapters.hookspecs import (
+    L2AdapterTypeSpec,
+    hookimpl,
+    import_dependency,
+)
 
 
 def create_s3_adapter(config: S3L2AdapterConfig, l1_memory_desc: Any = None) -> Any:
-    try:
-        import awscrt.s3  # noqa: F401
-    except ImportError as exc:
-        raise ImportError(
-            f"the s3 adapter needs the AWS CRT client ({exc}); install it with "
-            "`pip install awscrt` (or reinstall lmcache-s3)"
-        ) from exc
+    import_dependency(
+        "awscrt.s3",
+        "the s3 adapter needs the AWS CRT client",
+        "install it with `pip install awscrt` (or reinstall lmcache-s3)",
+    )
     from lmcache.storage.s3.adapter import S3L2Adapter
 
     return S3L2Adapter(config, l1_memory_desc=l1_memory_desc)

@@ -78,6 +78,8 @@ class L2AdapterConfigBase(abc.ABC):
     eviction_config: EvictionConfig | None = None
     persist_config: PersistConfig = PersistConfig(persist_enabled=True)
     serde_config: SerdeConfig | None = None
+    # Declared by the configs of capacity-bound backends (``max_capacity_bytes`` reads it).
+    max_capacity_gb: float
 
     @classmethod
     @abc.abstractmethod
@@ -118,6 +120,18 @@ class L2AdapterConfigBase(abc.ABC):
             raise ValueError("'serde' dict must include a 'type' field")
         kwargs = {k: v for k, v in s.items() if k != "type"}
         return SerdeConfig(type=str(s["type"]), kwargs=kwargs)
+
+    @staticmethod
+    def _parse_max_capacity_gb(d: dict[str, Any]) -> float:
+        cap = d.get("max_capacity_gb", 0)
+        if isinstance(cap, bool) or not isinstance(cap, (int, float)) or cap < 0:
+            raise ValueError("max_capacity_gb must be a non-negative number")
+        return float(cap)
+
+    @property
+    def max_capacity_bytes(self) -> int:
+        """``max_capacity_gb`` in bytes (0 = unlimited), for configs that have that field."""
+        return int(self.max_capacity_gb * (1 << 30))
 
     @staticmethod
     def _validate_num_workers(raw: Any) -> int:

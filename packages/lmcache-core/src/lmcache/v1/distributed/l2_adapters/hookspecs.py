@@ -16,13 +16,15 @@ and its ``hooks`` module implements::
 
 Keep hook modules cheap to import: import heavy dependencies inside the factory so a
 missing one surfaces as an ``ImportError`` naming the pip package when the adapter is
-created, not when the registry is listed.
+created, not when the registry is listed (``import_dependency`` words that error).
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import pluggy
@@ -48,6 +50,7 @@ __all__ = [
     "L2AdapterTypeSpec",
     "hookimpl",
     "hookspec",
+    "import_dependency",
 ]
 
 
@@ -65,3 +68,12 @@ class L2AdapterHookSpecs:
     @hookspec
     def lmcache_l2_adapter_types(self) -> list[L2AdapterTypeSpec]:  # type: ignore[empty-body]
         """Return the L2 adapter types this plugin provides."""
+
+
+def import_dependency(module: str, needed_by: str, fix: str) -> ModuleType:
+    """Import ``module`` inside an adapter factory. A missing one raises an ``ImportError``
+    that says what needs it and how to install it (``fix``)."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise ImportError(f"{needed_by} ({exc}); {fix}") from exc

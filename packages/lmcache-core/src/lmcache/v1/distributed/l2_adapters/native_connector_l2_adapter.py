@@ -51,7 +51,12 @@ from lmcache.v1.distributed.internal_api import L2StoreResult
 from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface, L2TaskId
 from lmcache.v1.distributed.l2_adapters.health import HealthTracker
 from lmcache.v1.distributed.l2_adapters.key_codec import object_key_to_string
-from lmcache.v1.distributed.l2_adapters.utils import CompletionChannels, KeyLockTable, TaskIds
+from lmcache.v1.distributed.l2_adapters.utils import (
+    CompletionChannels,
+    KeyLockTable,
+    TaskIds,
+    record_unknown_keys,
+)
 from lmcache.v1.memory_management import MemoryObj, TensorMemoryObj
 
 logger = init_logger(__name__)
@@ -381,16 +386,10 @@ class NativeConnectorL2Adapter(CompletionChannels, L2AdapterInterface):
                 f"record_known_keys: {len(keys)} keys but {len(sizes)} sizes; pass one size per key"
             )
         with self._lock:
-            fresh = [
-                (k, int(s))
-                for k, s in zip(keys, sizes, strict=True)
-                if k not in self._known and k not in self._storing
-            ]
-            for k, s in fresh:
-                self._known[k] = s
+            fresh, fresh_sizes = record_unknown_keys(self._known, self._storing, keys, sizes)
         if fresh:
-            self._notify_keys_stored([k for k, _ in fresh], [s for _, s in fresh])
-        return [k for k, _ in fresh]
+            self._notify_keys_stored(fresh, fresh_sizes)
+        return fresh
 
     def register_listener(self, listener: Any) -> None:
         """With ``replay_known_keys``, also tells the new listener the keys already known."""

@@ -50,10 +50,7 @@ class NativePluginL2AdapterConfig(L2AdapterConfigBase):
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> NativePluginL2AdapterConfig:
         module_path, class_name, params = _parse_common(d)
-        cap = d.get("max_capacity_gb", 0)
-        if isinstance(cap, bool) or not isinstance(cap, (int, float)) or cap < 0:
-            raise ValueError("max_capacity_gb must be a non-negative number")
-        return cls(module_path, class_name, params, float(cap))
+        return cls(module_path, class_name, params, cls._parse_max_capacity_gb(d))
 
     @classmethod
     def help(cls) -> str:

@@ -4,8 +4,10 @@ task ids, and the completion channels behind the event-fd half of ``L2AdapterInt
 from __future__ import annotations
 
 import itertools
+import os
 import threading
-from typing import Any
+from collections.abc import Container
+from typing import TYPE_CHECKING, Any
 
 from lmcache.lmcache_native import Bitmap, TTLLock
 from lmcache.v1.distributed.api import ObjectKey
@@ -13,6 +15,32 @@ from lmcache.v1.distributed.internal_api import L2StoreResult
 from lmcache.v1.platform.event_notifier import create_event_notifier
 
 L2_LOCK_TTL_SECONDS = 300.0
+
+
+def fsync_dir(path: str) -> None:
+    """Make the entries of directory ``path`` durable (a file just published in it). A
+    directory that cannot be opened (some file systems) is skipped; a failed fsync raises."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def record_unknown_keys(
+    known: dict[ObjectKey, int], storing: Container[ObjectKey], keys: list[ObjectKey], sizes: Any
+) -> tuple[list[ObjectKey], list[int]]:
+    """Add to ``known`` the keys (found on the backend, with their sizes) it lacks, leaving
+    the keys a store is writing to that store; returns the added keys and sizes (for
+    ``_notify_keys_stored``). The caller holds the lock guarding both containers."""
+    fresh = [
+        (k, int(s)) for k, s in zip(keys, sizes, strict=True) if k not in known and k not in storing
+    ]
+    known.update(fresh)
+    return [k for k, _ in fresh], [s for _, s in fresh]
 
 
 class KeyLockTable:
@@ -56,6 +84,11 @@ class KeyLockTable:
         with self._mu:
             lk = self._locks.get(key)
             return lk.count() if lk is not None else 0
+
+    def num_locked(self) -> int:
+        """How many keys hold a lock that has not expired."""
+        with self._mu:
+            return sum(1 for lk in self._locks.values() if lk.is_locked())
 
     def clear(self) -> None:
         with self._mu:
@@ -175,3 +208,19 @@ class CompletionChannels:
 
     def query_load_result(self, task_id: int) -> Bitmap | None:
         return self._load_channel.take(task_id)
+
+    def _complete_load(self, task_id: int, keys: list[ObjectKey], loaded: list[bool]) -> None:
+        """Finish a load whose key ``i`` was loaded where ``loaded[i]``: listeners hear of the
+        loaded keys, then the task's bitmap is published."""
+        bm = Bitmap(len(keys))
+        for i, ok in enumerate(loaded):
+            if ok:
+                bm.set(i)
+        hits = bm.gather(keys)
+        if hits:
+            self._notify_keys_accessed(hits)
+        self._load_channel.complete(task_id, bm)
+
+    if TYPE_CHECKING:  # L2AdapterInterface's (listed after this mixin among the bases)
+
+        def _notify_keys_accessed(self, keys: list[ObjectKey]) -> None: ...

@@ -21,6 +21,7 @@ from lmcache.v1.multiprocess.engine.state import (
     _dtype_name,
     _obj_bytes,
     _obj_tensor,
+    _shm_slots,
     codec_feature,
 )
 from lmcache.v1.multiprocess.protocol import RequestError
@@ -45,36 +46,28 @@ class ReadPathMixin:
         session, keys = self._own_keys(key)
         self._retrieve_begin(session)
         try:
-            inst = self.instances.get(instance_id)
-            if inst is None or inst.mode != LMCACHE_DRIVEN:
-                self.metrics.inc("lmcache_mp_num_submitted_retrieves", device="unknown")
+            inst = self._driven_instance(instance_id, "lmcache_mp_num_submitted_retrieves")
+            if inst is None:
                 return (b"", False)
-            self.metrics.inc("lmcache_mp_num_submitted_retrieves", device=_device(inst))
-            inst.last_seen = time.monotonic()
             from lmcache.v1.multiprocess.transfer_context.base import scatter_cpu_to_paged_kv
 
-            bpc = self.cs // inst.meta["block_size"]
-            ids = list(block_ids[0]) if block_ids else []
+            blocks = self._chunk_blocks(inst, block_ids, len(keys))
             objs = self.storage.read_locked(keys)
-            if objs is None or len(ids) < len(keys) * bpc:
+            if objs is None or blocks is None:
                 self._count_read_failure(inst, len(keys))
                 return (b"", False)
+            bpc, ids = blocks
             lay = self.layouts[inst.layout_key]
-            t0 = time.perf_counter()
-            self._copy_host_kv(
+            self._timed_copy_host_kv(
+                "lmcache_mp_l0_l1_load_throughput_GB_per_second",
+                len(keys) * lay.nbytes,
                 inst,
                 scatter_cpu_to_paged_kv,
-                ids[: len(keys) * bpc],
+                ids,
                 [_obj_tensor(o, lay) for o in objs],
                 bpc,
                 skip_first_n_tokens,
                 layout_hints=inst.layout_hints,
-            )
-            self._observe_gbps(
-                "lmcache_mp_l0_l1_load_throughput_GB_per_second",
-                inst,
-                len(keys) * lay.nbytes,
-                t0,
             )
             self._count_reads(inst, key, len(keys))
             self.metrics.inc("lmcache_mp_num_finished_retrieves", device=_device(inst))
@@ -106,15 +99,7 @@ class ReadPathMixin:
             return {"success": False, "data": b"", "context": {}}
         self._count_reads(inst, key, len(keys))
         if inst.strategy == "shm":
-            slots = [
-                {
-                    "offset": int(o.metadata.address),
-                    "length": lay.nbytes,
-                    "shape": list(lay.shape),
-                    "dtype": _dtype_name(lay.dtype),
-                }
-                for o in objs
-            ]
+            slots = _shm_slots(objs, lay)
             with inst.lock:
                 inst.pending_reads[(key.request_id, key.start, key.end)] = PendingRead(
                     key, keys, time.monotonic(), self._retrieve_begin(session)
@@ -155,11 +140,44 @@ class ReadPathMixin:
             return False
         return inst.strategy != "shm"
 
-    def _observe_gbps(self, name: str, inst: Instance, nbytes: int, t0: float) -> None:
+    def _driven_instance(self, instance_id: int, submitted_metric: str) -> Instance | None:
+        """The lmcache_driven instance ``instance_id`` (None if there is none), counting the
+        request in ``submitted_metric`` either way."""
+        inst = self.instances.get(instance_id)
+        if inst is None or inst.mode != LMCACHE_DRIVEN:
+            self.metrics.inc(submitted_metric, device="unknown")
+            return None
+        self.metrics.inc(submitted_metric, device=_device(inst))
+        inst.last_seen = time.monotonic()
+        return inst
+
+    def _chunk_blocks(
+        self, inst: Instance, block_ids: list[list[int]], n_chunks: int
+    ) -> tuple[int, list[int]] | None:
+        """(blocks per chunk, the block ids of ``n_chunks`` chunks) for an lmcache_driven
+        copy, or None when ``block_ids`` holds too few: never copy out of bounds."""
+        bpc = self.cs // inst.meta["block_size"]
+        ids = list(block_ids[0]) if block_ids else []
+        if len(ids) < n_chunks * bpc:
+            return None
+        return bpc, ids[: n_chunks * bpc]
+
+    def _timed_copy_host_kv(
+        self,
+        throughput_metric: str,
+        nbytes: int,
+        inst: Instance,
+        copy: Any,
+        *args: Any,
+        **kw: Any,
+    ) -> None:
+        """``_copy_host_kv`` that observes its GB/s in ``throughput_metric``."""
+        t0 = time.perf_counter()
+        self._copy_host_kv(inst, copy, *args, **kw)
         dt = time.perf_counter() - t0
         if dt > 0 and nbytes:
             self.metrics.observe(
-                name,
+                throughput_metric,
                 nbytes / dt / 1e9,
                 device=_device(inst),
                 engine_id=str(inst.instance_id),

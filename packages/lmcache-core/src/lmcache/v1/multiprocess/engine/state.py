@@ -8,7 +8,7 @@ import heapq
 import itertools
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -249,6 +249,19 @@ def _obj_tensor(obj: Any, lay: Layout) -> torch.Tensor:
     """A typed view of an L1 object in the registered chunk layout (no copy)."""
     raw = torch.frombuffer(_obj_bytes(obj, lay.nbytes), dtype=torch.uint8)
     return raw.view(lay.dtype).view(lay.shape)
+
+
+def _shm_slots(objs: Iterable[Any], lay: Layout) -> list[dict[str, Any]]:
+    """Where each L1 object lies in the SHM pool, as an engine-driven worker maps it."""
+    return [
+        {
+            "offset": int(o.metadata.address),
+            "length": lay.nbytes,
+            "shape": list(lay.shape),
+            "dtype": _dtype_name(lay.dtype),
+        }
+        for o in objs
+    ]
 
 
 def _close_all(wrappers: list[Any]) -> None:

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from lmcache.utils import RateLimitedLog, init_logger
@@ -18,10 +17,10 @@ from lmcache.v1.multiprocess.engine.state import (
     RequestContext,
     Reservation,
     _device,
-    _dtype_name,
     _obj_bytes,
     _obj_tensor,
     _salt,
+    _shm_slots,
     codec_feature,
 )
 from lmcache.v1.multiprocess.protocol import ErrorCode, RequestError
@@ -98,15 +97,7 @@ class WritePathMixin:
             self.storage.abort_write(list(stale.objs))
         lay = self.layouts[inst.layout_key]
         if inst.strategy == "shm":
-            slots = [
-                {
-                    "offset": int(obj.metadata.address),
-                    "length": lay.nbytes,
-                    "shape": list(lay.shape),
-                    "dtype": _dtype_name(lay.dtype),
-                }
-                for obj in res.objs.values()
-            ]
+            slots = _shm_slots(res.objs.values(), lay)
             return {"context": {"slots": slots, "chunk_indices": res.positions}}
         if codec_feature(ctx):
             return {"context": {"encoding": "raw_v1", "chunk_indices": res.positions}}
@@ -188,19 +179,16 @@ class WritePathMixin:
         event_ipc_handle: bytes = b"",
     ):
         self._require_mode(LMCACHE_DRIVEN)
-        inst = self.instances.get(instance_id)
-        if inst is None or inst.mode != LMCACHE_DRIVEN:
-            self.metrics.inc("lmcache_mp_num_submitted_stores", device="unknown")
+        inst = self._driven_instance(instance_id, "lmcache_mp_num_submitted_stores")
+        if inst is None:
             return (b"", False)
-        self.metrics.inc("lmcache_mp_num_submitted_stores", device=_device(inst))
-        inst.last_seen = time.monotonic()
         _session, keys = self._own_keys(key)
         from lmcache.v1.multiprocess.transfer_context.base import gather_paged_kv_to_cpu
 
-        bpc = self.cs // inst.meta["block_size"]
-        ids = list(block_ids[0]) if block_ids else []
-        if len(ids) < len(keys) * bpc:
-            return (b"", False)  # fail closed: never copy out of bounds
+        blocks = self._chunk_blocks(inst, block_ids, len(keys))
+        if blocks is None:
+            return (b"", False)
+        bpc, ids = blocks
         null = self.config.null_block_id
         wanted = [any(b != null for b in ids[i * bpc : (i + 1) * bpc]) for i in range(len(keys))]
         res = self._reserve(inst, keys, wanted)
@@ -208,21 +196,16 @@ class WritePathMixin:
             if res.objs:
                 lay = self.layouts[inst.layout_key]
                 outs = [_obj_tensor(res.objs[keys[i]], lay) for i in res.positions]
-                t0 = time.perf_counter()
-                self._copy_host_kv(
+                self._timed_copy_host_kv(
+                    "lmcache_mp_l0_l1_store_throughput_GB_per_second",
+                    len(outs) * lay.nbytes,
                     inst,
                     gather_paged_kv_to_cpu,
-                    ids[: len(keys) * bpc],
+                    ids,
                     bpc,
                     layout_hints=inst.layout_hints,
                     out=outs,
                     chunk_indices=res.positions,
-                )
-                self._observe_gbps(
-                    "lmcache_mp_l0_l1_store_throughput_GB_per_second",
-                    inst,
-                    len(outs) * lay.nbytes,
-                    t0,
                 )
         except Exception as exc:
             logger.error("store for instance %d failed: %s", instance_id, exc)
