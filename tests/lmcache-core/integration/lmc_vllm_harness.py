@@ -686,38 +686,31 @@ class Engine:
         return so
 
     def _check_loaded(self, req: Request) -> None:
-        """Record whether the loaded range [apc, num_computed) is byte-identical on every rank
-        and (with ``apc_marker``) whether vLLM's own prefix-cache blocks stayed untouched."""
-        rid, end = req.request_id, req.apc_tokens + req.external_tokens
-        ok = all(
+        """Record whether the loaded range [apc, apc + external) is byte-identical on every
+        rank and (with ``apc_marker``) whether vLLM's own prefix-cache blocks stayed intact."""
+        end = req.apc_tokens + req.external_tokens
+        self.loaded_ok[req.request_id] = end if self._kv_is(req, req.apc_tokens, end) else -1
+        if self.apc_marker is not None and req.apc_tokens:
+            self.apc_intact[req.request_id] = self._kv_is(
+                req, 0, req.apc_tokens, offset=self.apc_marker
+            )
+
+    def _kv_is(self, req: Request, start: int, end: int, offset: float = 0.0) -> bool:
+        """Whether every rank holds the model's KV for tokens [start, end) of ``req``."""
+        return all(
             kv_matches(
                 self.model,
                 views,
                 req.block_ids,
                 self.bs,
                 req.all_token_ids,
-                req.apc_tokens,
+                start,
                 end,
                 rank,
+                offset=offset,
             )
             for rank, views in enumerate(self.views)
         )
-        self.loaded_ok[rid] = end if ok else -1
-        if self.apc_marker is not None and req.apc_tokens:
-            self.apc_intact[rid] = all(
-                kv_matches(
-                    self.model,
-                    views,
-                    req.block_ids,
-                    self.bs,
-                    req.all_token_ids,
-                    0,
-                    req.apc_tokens,
-                    rank,
-                    offset=self.apc_marker,
-                )
-                for rank, views in enumerate(self.views)
-            )
 
     def busy(self) -> bool:
         return bool(self.waiting or self.running or self.holding)

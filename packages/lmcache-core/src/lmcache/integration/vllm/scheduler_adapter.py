@@ -6,8 +6,9 @@ the lookup is sent without waiting, its status is polled on later calls, and
 while anything is pending the answer is ``(None, True)`` ("ask again"). A hit is
 then loaded synchronously by default (``(n, False)``: the workers copy it before
 the forward of the step that computes the rest of the prompt), or asynchronously
-with ``lmcache.mp.sync_load=false`` (``(n, True)``, as LMCache 0.5.6). Every read lock the server took for a lookup is
-given back exactly once: freed here when vLLM's prefix cache or the cap makes
+with ``lmcache.mp.sync_load=false`` (``(n, True)``, as LMCache 0.5.6).
+
+Every read lock the server took for a lookup is given back exactly once: freed here when vLLM's prefix cache or the cap makes
 the chunk unnecessary, consumed by the workers' retrieve otherwise, and
 released by ``end_session`` as a last resort.
 

@@ -32,8 +32,7 @@ from lmcache.integration.vllm.mp_ops import LMCacheMPRequestMetadata
 from lmcache.integration.vllm.parallel_strategy import ParallelStrategy
 from lmcache.integration.vllm.scheduler_adapter import check_chunk_size
 from lmcache.integration.vllm.server_link import ServerLink
-from lmcache.integration.vllm.transfer import DoneFuture as _Done
-from lmcache.integration.vllm.transfer import WorkerTransfer
+from lmcache.integration.vllm.transfer import DoneFuture, WorkerTransfer
 from lmcache.integration.vllm.vllm_base import KVConnectorTransferResults
 from lmcache.utils import init_logger
 from lmcache.v1.multiprocess.protocol import IPCCacheServerKey
@@ -108,7 +107,8 @@ class LMCacheMPWorkerAdapter:
         self._finished_pending: set[str] = set()  # finished by vLLM, stores still running
         self._forget: set[str] = set()  # finished and reported: dropped once no load runs
         self._load_errors: set[int] = set()
-        # Requests whose synchronous load failed in the current step.
+        # Requests whose synchronous load failed in this step: their stores of the same step
+        # (wait_for_save) are dropped; start_store consumes the set.
         self._sync_failed: set[str] = set()
         self._lock = threading.Lock()
 
@@ -183,7 +183,7 @@ class LMCacheMPWorkerAdapter:
             for io in self._io.values():
                 for p in io.retrieves:
                     if not p.future.query():
-                        p.future = _Done(False)
+                        p.future = DoneFuture(False)
                 io.stores = [p for p in io.stores if p.future.query()]
 
     # -- keys -------------------------------------------------------------------------
@@ -211,7 +211,6 @@ class LMCacheMPWorkerAdapter:
     def start_load(self, requests: list[LMCacheMPRequestMetadata]) -> None:
         """Run the step's RETRIEVE ops: before returning when loads are synchronous (vLLM
         computes the rest of those prompts in this very step), else in the background."""
-        self._sync_failed = set()
         retrieves = [r for r in requests if r.direction == "RETRIEVE"]
         if not retrieves:
             return
@@ -227,14 +226,14 @@ class LMCacheMPWorkerAdapter:
 
     def _submit_retrieve(self, meta: LMCacheMPRequestMetadata, healthy: bool, inline: bool) -> Any:
         if not healthy:
-            return _Done(False)
+            return DoneFuture(False)
         try:
             return self.ctx.submit_retrieve(
                 self.key_for(meta), meta.op.block_ids, meta.op.skip_first_n_tokens, inline=inline
             )
         except Exception as exc:
             logger.warning("retrieve of %s failed to start: %s", meta.request_id, exc)
-            return _Done(False)
+            return DoneFuture(False)
 
     def _load_now(self, retrieves: list[LMCacheMPRequestMetadata]) -> None:
         """Synchronous loads: every retrieve has ended when this returns. A failed one is
@@ -249,19 +248,23 @@ class LMCacheMPWorkerAdapter:
             if fut.wait(max(0.0, deadline - time.monotonic())) and _outcome(fut):
                 continue
             if not fut.query():
-                logger.warning(
-                    "retrieve for request %s unfinished after retrieve_timeout=%g s; failing it",
-                    meta.request_id,
-                    self.config.retrieve_timeout,
-                )
+                self._warn_retrieve_timeout(meta.request_id)
             self._sync_failed.add(meta.request_id)
             failed.update(meta.op.all_block_ids())
         if failed:
             with self._lock:
                 self._load_errors.update(failed)
 
+    def _warn_retrieve_timeout(self, rid: str) -> None:
+        logger.warning(
+            "retrieve for request %s unfinished after retrieve_timeout=%g s; failing it",
+            rid,
+            self.config.retrieve_timeout,
+        )
+
     # -- stores -------------------------------------------------------------------------
     def start_store(self, requests: list[LMCacheMPRequestMetadata]) -> None:
+        sync_failed, self._sync_failed = self._sync_failed, set()
         stores = [r for r in requests if r.direction == "STORE"]
         if not stores:
             return
@@ -273,7 +276,7 @@ class LMCacheMPWorkerAdapter:
                 io.had_store_op = True
                 if not writer or not healthy:
                     continue  # MLA non-writer, or degraded: nothing to wait for
-                if meta.request_id in self._sync_failed:
+                if meta.request_id in sync_failed:
                     continue  # computed on top of a failed load this step: not stored
                 try:
                     fut = self.ctx.submit_store(self.key_for(meta), meta.op.block_ids)
@@ -322,13 +325,8 @@ class LMCacheMPWorkerAdapter:
                             self._load_errors.update(p.block_ids)
                     elif not healthy or now - p.submitted_at > self.config.retrieve_timeout:
                         if healthy:
-                            logger.warning(
-                                "retrieve for request %s unfinished after retrieve_timeout=%g s; "
-                                "failing it",
-                                rid,
-                                self.config.retrieve_timeout,
-                            )
-                        p.future = _Done(False)
+                            self._warn_retrieve_timeout(rid)
+                        p.future = DoneFuture(False)
                         io.retrieve_failed = True
                         self._load_errors.update(p.block_ids)
                     else:
