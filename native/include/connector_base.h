@@ -91,12 +91,15 @@ class ConnectorBase : public IStorageConnector {
     std::vector<Completion> out;
     std::lock_guard<std::mutex> life(lifecycle_mutex_);
     if (efd_ < 0) return out;
-    // Clear the flag before emptying the queue: a completion pushed after this point
-    // writes the fd again, so no wake-up is lost.
-    signalled_.store(false, std::memory_order_seq_cst);
+    // Order matters. Read the fd first, then clear the flag, then empty the queue. A worker
+    // that finds the flag clear writes the fd after this read, so its wake-up stays pending.
+    // Clearing the flag before the read lost wake-ups: a worker could set the flag and write,
+    // the read ate that write, and a second worker that queued after the queue was emptied
+    // saw the flag still set and never wrote (CI: coalescing_eventfd waited 10 s for nothing).
     uint64_t counter = 0;
     while (::read(efd_, &counter, sizeof(counter)) < 0 && errno == EINTR) {
     }
+    signalled_.store(false, std::memory_order_seq_cst);
     {
       std::lock_guard<std::mutex> lock(completion_mutex_);
       out.assign(std::make_move_iterator(completions_.begin()),
