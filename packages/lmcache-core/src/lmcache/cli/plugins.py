@@ -14,6 +14,8 @@ import json
 import os
 from typing import Any
 
+from lmcache_namespace_guard import check_namespace
+
 from lmcache.cli.errors import CLIError
 
 
@@ -93,7 +95,13 @@ def collect() -> dict[str, Any]:
         ]
     except Exception as exc:
         notes.append(f"L2 adapter types unavailable: {type(exc).__name__}: {exc}")
+    namespace = check_namespace()
     return {
+        "namespace": {
+            "ok": namespace.ok,
+            "problems": namespace.problems,
+            "repair": namespace.repair_commands(),
+        },
         "device_backends": backends,
         "selected_device": selected,
         "failed_device_plugins": failed,
@@ -130,6 +138,14 @@ def _l2_type_line(t: dict[str, Any]) -> str:
 
 
 def _print_text(report: dict[str, Any]) -> None:
+    namespace = report["namespace"]
+    state = "intact" if namespace["ok"] else "TAKEN OVER (see the problems below)"
+    print(f"Namespace lmcache: {state}")
+    for problem in namespace["problems"]:
+        print(f"  - {problem}")
+    for command in namespace["repair"]:
+        print(f"  repair: {command}")
+    print()
     print("Device backends (entry-point group lmcache.device_plugins):")
     rows = [("BACKEND", "DEVICE_TYPE", "AVAILABLE", "SELECTED", "SOURCE")]
     for b in report["device_backends"]:
