@@ -40,9 +40,23 @@ MYPY = "mypy==2.4.0"
 # The contracts plugin authors read and subclass; [tool.mypy] in pyproject.toml configures
 # the check (modules they import are analysed for types but not reported).
 TYPECHECK_TARGETS = [
-    "-p", "lmcache.v1.platform.base",
+    # device face (lmcache.v1.platform.api.FACE_MODULES)
+    "-m", "lmcache.v1.platform.api",
+    "-m", "lmcache.v1.platform.base.block_transfer",
+    "-m", "lmcache.v1.platform.base.cache_context",
+    "-m", "lmcache.v1.platform.base.device_ops",
+    "-m", "lmcache.v1.platform.base.device_spec",
+    "-m", "lmcache.v1.platform.base.event_ipc",
+    "-m", "lmcache.v1.platform.base.ipc_wire",
+    "-m", "lmcache.v1.platform.base.ipc_wrapper",
+    "-m", "lmcache.v1.platform.base.pin_memory",
     "-m", "lmcache.v1.platform.ops_types",
+    "-p", "lmcache.v1.platform.torch_ops",  # a package: its ops live in private submodules
+    # storage face (lmcache.v1.distributed.l2_adapters.api.FACE_MODULES)
+    "-m", "lmcache.v1.distributed.api",
+    "-m", "lmcache.v1.distributed.l2_adapters.api",
     "-m", "lmcache.v1.distributed.l2_adapters.base",
+    "-m", "lmcache.v1.distributed.l2_adapters.config",
 ]  # fmt: skip
 
 nox.options.sessions = ["lint", "tests"]
@@ -110,8 +124,11 @@ def lint(session: nox.Session) -> None:
 
 @nox.session
 def typecheck(session: nox.Session) -> None:
-    """mypy on the public contracts: l2_adapters.base, platform.base (DeviceSpec, DeviceOps,
-    event IPC, IPC wrappers, cache context, pinning) and ops_types."""
+    """mypy on exactly the plugin faces (TYPECHECK_TARGETS): the device face
+    (lmcache.v1.platform.api plus the 0.5.6 paths under platform.base, ops_types, torch_ops) and
+    the storage face (lmcache.v1.distributed.l2_adapters.api plus l2_adapters.base, .config and
+    distributed.api). tests/lmcache-core/common/test_plugin_faces.py keeps the list in step
+    with the api modules' FACE_MODULES."""
     install_torch(session)  # the contracts are typed against torch's own annotations
     session.install("-e", str(CORE), MYPY)
     session.run("mypy", *TYPECHECK_TARGETS, *session.posargs)

@@ -193,6 +193,16 @@ def plugins_installed(venv, ours, tmp_path_factory) -> dict[str, list[str]]:
     return plans
 
 
+@pytest.mark.parametrize(
+    "requirement",
+    ["lmcache", "lmcache>=0.5,<0.6", "lmcache~=0.5.6", "lmcache==0.5.*", "lmcache>=0.5.6.1,<0.6"],
+)
+def test_requirements_written_against_lmcache_05_are_satisfied_by_ours(
+    venv, ours, requirement, tmp_path
+):
+    assert venv.dry_run_installs(requirement, tmp_path) == []
+
+
 def test_plugins_that_depend_on_lmcache_fetch_nothing_of_ours(venv, ours, plugins_installed):
     assert plugins_installed["foo"] == ["lmcache-foo-device==0.1.0"]
     assert plugins_installed["l2"] == ["lmc-external-l2-adapter==0.1.0"]

@@ -98,7 +98,7 @@ def test_lmcache_errors_print_their_message_alone(monkeypatch, capsys):
     assert cli_main.main(["boom"]) == 1
     err = capsys.readouterr().err.strip()
     assert err.startswith(
-        "lmcache boom: error: --l2-adapter #1: unknown L2 adapter type 'nope'; known types: mock."
+        "lmcache boom: error: --l2-adapter #1: unknown adapter type 'nope'. Known: mock. Fix the"
     )
     assert "UnknownL2AdapterTypeError" not in err and "Traceback" not in err
 

@@ -83,7 +83,7 @@ def test_bench_l2_env_fallback_and_only(monkeypatch, capsys):
     ("argv", "text"),
     [
         (["--l2-adapter", "{bad"], "Invalid JSON for --l2-adapter #1"),
-        (["--l2-adapter", '{"type":"nope"}'], "unknown L2 adapter type 'nope'"),
+        (["--l2-adapter", '{"type":"nope"}'], "unknown adapter type 'nope'. Known: "),
         (["--l2-adapter", MOCK, "--num-keys", "0"], "--num-keys must be >= 1"),
     ],
 )

@@ -6,9 +6,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import re
 import sys
 import textwrap
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -74,10 +76,8 @@ def test_help_example_parses():
         ((json.dumps(MOCK), "{not json"), "Invalid JSON for --l2-adapter #2: "),
         (("[1, 2]",), "--l2-adapter #1: expected a JSON object, got list"),
         (('{"max_size_gb": 1}',), "--l2-adapter #1: missing 'type' field"),
-        (
-            ('{"type": "nope"}',),
-            "--l2-adapter #1: unknown L2 adapter type 'nope'; known types: ",
-        ),
+        (('{"type": null}',), "--l2-adapter #1: missing 'type' field"),
+        (('{"type": "nope"}',), "--l2-adapter #1: unknown adapter type 'nope'. Known: "),
         (
             (json.dumps(MOCK), '{"type": "mock", "max_size_gb": 1}'),
             "--l2-adapter #2 ('mock'): mock_bandwidth_gb must be a positive number",
@@ -94,22 +94,159 @@ def test_parse_error_texts(args, message):
     assert str(exc.value).startswith(message)
 
 
-def test_unknown_type_names_the_value_the_known_types_and_the_fix():
+BUILTINS = "fault_inject, mock, native_plugin, plugin"
+PLUGINS_HINT = "`lmcache plugins` lists the installed types and the plugins that failed to load."
+
+
+@pytest.mark.parametrize(
+    ("type_json", "first_line", "hint"),
+    [
+        (
+            '"nope"',
+            f"--l2-adapter #1: unknown adapter type 'nope'. Known: {BUILTINS}",
+            f"Fix the spelling, or install the package that provides it; {PLUGINS_HINT}",
+        ),
+        (
+            '"mokc"',
+            f"--l2-adapter #1: unknown adapter type 'mokc'. Known: {BUILTINS}",
+            "Fix the spelling (did you mean 'mock'?), or install the package that provides it; "
+            + PLUGINS_HINT,
+        ),
+        (
+            "1",
+            f"--l2-adapter #1: unknown adapter type 1. Known: {BUILTINS}",
+            f"'type' must be a string naming one of the known types; {PLUGINS_HINT}",
+        ),
+        (
+            '["mock"]',
+            f"--l2-adapter #1: unknown adapter type ['mock']. Known: {BUILTINS}",
+            f"'type' must be a string naming one of the known types; {PLUGINS_HINT}",
+        ),
+        (
+            '"s3"',
+            f"--l2-adapter #1: unknown adapter type 's3'. Known: {BUILTINS}",
+            f"Type 's3' comes with the lmcache-s3 wheel: pip install lmcache-s3; {PLUGINS_HINT}",
+        ),
+        (
+            '"fs_native"',
+            f"--l2-adapter #1: unknown adapter type 'fs_native'. Known: {BUILTINS}",
+            "Type 'fs_native' comes with the lmcache-fs wheel: pip install lmcache-fs; "
+            + PLUGINS_HINT,
+        ),
+        (
+            '"redis"',
+            f"--l2-adapter #1: unknown adapter type 'redis'. Known: {BUILTINS}",
+            "Type 'redis' comes with the lmcache-redis wheel: pip install lmcache-redis; "
+            + PLUGINS_HINT,
+        ),
+        (
+            '"raw_block"',
+            f"--l2-adapter #1: unknown adapter type 'raw_block'. Known: {BUILTINS}",
+            "'raw_block' is an LMCache 0.5.6 type not provided by this release (see "
+            "docs/compat.md, L2 adapter types); use one of the known types. " + PLUGINS_HINT,
+        ),
+    ],
+)
+def test_unknown_type_text_is_0_5_6_s_then_the_fix(l2_registry, type_json, first_line, hint):
+    """LMCache 0.5.6's sentence verbatim, then (same line) the fix, which only names a wheel
+    that exists (no entry points in this registry, so no storage wheel is installed)."""
+    with pytest.raises(UnknownL2AdapterTypeError) as exc:
+        parse(f'{{"type": {type_json}}}')
+    assert str(exc.value) == f"{first_line}. {hint}"
+    assert exc.value.hint == hint and isinstance(exc.value, ValueError)
+    assert exc.value.type_name == json.loads(type_json)
+    assert exc.value.known == BUILTINS.split(", ")
+
+
+def test_unknown_type_lists_every_registered_type():
     with pytest.raises(UnknownL2AdapterTypeError) as exc:
         parse('{"type": "aerospike"}')
-    message = str(exc.value)
-    known = message.split("known types: ", 1)[1].split(". Fix the spelling", 1)[0]
-    assert known == ", ".join(get_registered_l2_adapter_types())
-    assert "pip install lmcache-aerospike" in message and "`lmcache plugins`" in message
-    assert isinstance(exc.value, ValueError) and exc.value.type_name == "aerospike"
+    assert str(exc.value) == (
+        "--l2-adapter #1: unknown adapter type 'aerospike'. Known: "
+        + ", ".join(get_registered_l2_adapter_types())
+        + ". "
+        + exc.value.hint
+    )
 
 
-def test_unknown_type_is_worded_the_same_everywhere():
+def test_install_hints_name_only_our_wheels():
+    from lmcache.v1.errors import L2_TYPE_WHEELS, LMCACHE_056_ONLY_L2_TYPES
+
+    # The table is what the storage wheels' hooks register (names and aliases).
+    registered: dict[str, str] = {}
+    for hooks in (Path(__file__).parents[3] / "packages").glob("*/src/lmcache/storage/*/hooks.py"):
+        text = hooks.read_text()
+        names = re.findall(r'L2AdapterTypeSpec\(\s*"([^"]+)"', text)
+        names += re.findall(r'"([^"]+)"', " ".join(re.findall(r"aliases=\(([^)]*)\)", text)))
+        registered.update(dict.fromkeys(names, hooks.parents[4].name))
+    assert registered == L2_TYPE_WHEELS
+    assert not set(L2_TYPE_WHEELS) & LMCACHE_056_ONLY_L2_TYPES
+    for name in ("x", "raw_block", "valkey", "mooncake_store", "nixl_store_dynamic"):
+        message = str(UnknownL2AdapterTypeError(name, ["mock"], where="--l2-adapter #1"))
+        assert "pip install" not in message, message
+
+
+def test_unknown_type_names_the_failed_plugin_of_an_installed_wheel():
+    from lmcache.v1.entry_points import FailedPlugin
+
+    failed = [
+        FailedPlugin("other", "vendor.hooks", "vendor-x", "ImportError: nope"),
+        FailedPlugin(
+            "fs", "lmcache.storage.fs.hooks", "lmcache_fs", "ImportError: libfoo.so: not found"
+        ),
+    ]
+    exc = UnknownL2AdapterTypeError("fs", ["mock"], "--l2-adapter #2", failed_plugins=failed)
+    assert str(exc) == (
+        "--l2-adapter #2: unknown adapter type 'fs'. Known: mock. "
+        "Type 'fs' comes with the lmcache-fs wheel, which is installed but its plugin 'fs' "
+        "(lmcache.storage.fs.hooks) failed to load: ImportError: libfoo.so: not found. Fix that "
+        "(or reinstall lmcache-fs); `lmcache plugins` shows the failure."
+    )
+    # a failure of another wheel's plugin does not count for this one
+    other = UnknownL2AdapterTypeError("s3", ["mock"], failed_plugins=failed)
+    assert other.hint.startswith("Type 's3' comes with the lmcache-s3 wheel: pip install")
+
+
+def test_a_broken_installed_wheel_is_reported_by_the_parser(tmp_path, monkeypatch):
+    """A (fake) lmcache-redis whose hooks module does not import: asking for its type says
+    the wheel is installed and why its plugin failed, instead of `pip install`."""
+    from lmcache.v1.distributed.l2_adapters.registry import (
+        L2AdapterRegistry,
+        use_l2_adapter_registry,
+    )
+
+    module = f"broken_redis_hooks_{uuid.uuid4().hex[:8]}"
+    (tmp_path / f"{module}.py").write_text("raise ImportError('no module named hiredis_x')\n")
+    info = tmp_path / "lmcache_redis-9.9.9.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: lmcache-redis\nVersion: 9.9.9\n")
+    (info / "entry_points.txt").write_text(f"[lmcache.l2_adapters]\nredis = {module}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with (
+        use_l2_adapter_registry(L2AdapterRegistry()),
+        pytest.raises(UnknownL2AdapterTypeError) as exc,
+    ):
+        parse('{"type": "resp"}')
+    assert str(exc.value).startswith("--l2-adapter #1: unknown adapter type 'resp'. Known: ")
+    assert exc.value.hint == (
+        f"Type 'resp' comes with the lmcache-redis wheel, which is installed but its plugin "
+        f"'redis' ({module}) failed to load: ImportError: no module named hiredis_x. Fix that "
+        "(or reinstall lmcache-redis); `lmcache plugins` shows the failure."
+    )
+
+
+def test_unknown_type_without_where_starts_with_0_5_6_s_text(l2_registry):
     with pytest.raises(UnknownL2AdapterTypeError) as direct:
-        get_l2_adapter_config_class("aerospike")
+        get_l2_adapter_config_class("raw_block")
     with pytest.raises(UnknownL2AdapterTypeError) as parsed:
-        parse('{"type": "aerospike"}')
-    assert str(parsed.value) == f"--l2-adapter #1: {direct.value}"
+        parse('{"type": "raw_block"}')
+    # 0.5.6's whole message is "unknown L2 adapter type 'raw_block'"
+    assert str(direct.value) == (
+        f"unknown L2 adapter type 'raw_block'. Known: {BUILTINS}. {parsed.value.hint}"
+    )
+    tail = str(direct.value).removeprefix("unknown L2 adapter type ")
+    assert str(parsed.value) == f"--l2-adapter #1: unknown adapter type {tail}"
+    assert direct.value.hint == parsed.value.hint  # the same fix everywhere
 
 
 def test_from_dict_error_logs_help(caplog):

@@ -22,13 +22,17 @@ from typing import Any
 
 import torch
 
-from lmcache.lmcache_native import Bitmap
 from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey
-from lmcache.v1.distributed.internal_api import L2StoreResult
+
+# Names without a 0.5.6 public path come from the storage plugin API (lmcache>=0.5.6.1).
+from lmcache.v1.distributed.l2_adapters.api import (
+    Bitmap,
+    L2StoreResult,
+    MemoryObj,
+    create_event_notifier,
+)
 from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface, L2TaskId
 from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
-from lmcache.v1.memory_management import MemoryObj
-from lmcache.v1.platform import create_event_notifier
 
 GiB = 1 << 30
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from lmcache.v1.platform.devices.cpu.cache_context import CPUCacheContext
+from lmcache.v1.platform.api import CPUCacheContext
 
 
 class FooCacheContext(CPUCacheContext):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from lmcache.v1.platform.devices.cpu.ipc_wrapper import CpuShmTensorWrapper
+from lmcache.v1.platform.api import CpuShmTensorWrapper
 
 
 class FooIPCWrapper(CpuShmTensorWrapper):

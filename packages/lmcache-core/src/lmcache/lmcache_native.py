@@ -63,40 +63,49 @@ class Bitmap:
 
     # bit operations
     def set(self, i: int) -> None:
+        """Set bit ``i``; ``IndexError`` outside ``[0, size)``."""
         self._bits |= 1 << self._check(i)
 
     def batched_set(self, indices: Iterable[int]) -> None:
+        """Set every bit in ``indices`` (each checked like :meth:`set`)."""
         bits = self._bits
         for i in indices:
             bits |= 1 << self._check(i)
         self._bits = bits
 
     def set_range(self, start: int, end: int) -> None:
+        """Set bits ``[start, end)``, clamped to ``[0, size)``."""
         start = max(0, int(start))
         end = min(int(end), self._size)
         if end > start:
             self._bits |= ((1 << (end - start)) - 1) << start
 
     def clear(self, i: int) -> None:
+        """Clear bit ``i``; ``IndexError`` outside ``[0, size)``."""
         self._bits &= ~(1 << self._check(i))
 
     def test(self, i: int) -> bool:
+        """Bit ``i`` as a real ``bool`` (callers write ``bm.test(0) is True``)."""
         return bool((self._bits >> self._check(i)) & 1)
 
     # queries
     def size(self) -> int:
+        """Number of bits (one per key of the task)."""
         return self._size
 
     def len(self) -> int:
+        """Same as :meth:`size` (0.5.x name)."""
         return self._size
 
     def __len__(self) -> int:
         return self._size
 
     def copy(self) -> Bitmap:
+        """An independent bitmap with the same bits."""
         return Bitmap._from_int(self._size, self._bits)
 
     def popcount(self) -> int:
+        """Number of set bits (hits)."""
         return self._bits.bit_count()
 
     def count_leading_ones(self) -> int:
@@ -113,6 +122,7 @@ class Bitmap:
         return (self._bits & -self._bits).bit_length() - 1
 
     def highest_set_bit(self) -> int:
+        """Index of the highest set bit, -1 when none is set."""
         return self._bits.bit_length() - 1
 
     # operators: binary ops truncate to the shorter operand
@@ -137,6 +147,7 @@ class Bitmap:
 
     # extraction
     def get_indices_list(self) -> list[int]:
+        """Indices of the set bits, ascending."""
         out = []
         bits = self._bits
         while bits:
@@ -146,6 +157,7 @@ class Bitmap:
         return out
 
     def get_indices_set(self) -> set[int]:
+        """Indices of the set bits as a set."""
         return set(self.get_indices_list())
 
     def gather(self, items: Sequence[Any]) -> list[Any]:
@@ -153,6 +165,7 @@ class Bitmap:
         return [items[i] for i in self.get_indices_list() if i < len(items)]
 
     def to_int(self) -> int:
+        """The bits as one int (bit i of the int is bit i of the map)."""
         return self._bits
 
     def __repr__(self) -> str:

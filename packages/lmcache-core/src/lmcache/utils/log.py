@@ -84,7 +84,9 @@ class RateLimitedLog:
         return True
 
     def warning(self, key: object, msg: str, *args: object) -> bool:
+        """:meth:`log` at WARNING."""
         return self.log(logging.WARNING, key, msg, *args)
 
     def error(self, key: object, msg: str, *args: object) -> bool:
+        """:meth:`log` at ERROR."""
         return self.log(logging.ERROR, key, msg, *args)

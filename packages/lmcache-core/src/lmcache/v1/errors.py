@@ -7,9 +7,14 @@ the bad value and the fix; the ``lmcache`` CLI prints them without a traceback.
 
 from __future__ import annotations
 
+import difflib
+import re
 from collections.abc import Iterable
+from typing import Protocol
 
 __all__ = [
+    "L2_TYPE_WHEELS",
+    "LMCACHE_056_ONLY_L2_TYPES",
     "DeviceBackendError",
     "LMCacheConfigError",
     "LMCacheError",
@@ -34,21 +39,122 @@ class DeviceBackendError(LMCacheError, RuntimeError):
     """No usable device backend, or several where exactly one must be chosen."""
 
 
-class UnknownL2AdapterTypeError(LMCacheConfigError):
-    """An ``--l2-adapter`` ``type`` that no installed package registers."""
+# The L2 adapter types our storage wheels register (their ``lmcache.l2_adapters`` hooks), so an
+# install hint only ever names a wheel that exists.
+L2_TYPE_WHEELS: dict[str, str] = {
+    "fs": "lmcache-fs",
+    "fs_native": "lmcache-fs",
+    "resp": "lmcache-redis",
+    "redis": "lmcache-redis",
+    "s3": "lmcache-s3",
+    "nixl_store": "lmcache-nixl",
+    "nixl_native": "lmcache-nixl",
+}
 
-    def __init__(self, type_name: object, known: Iterable[str], where: str = "") -> None:
-        """``where`` prefixes the message (e.g. ``--l2-adapter #2``)."""
+# Types LMCache 0.5.6 registers that no wheel of this release provides (docs/compat.md,
+# "L2 adapter types"). 0.5.6 also has fault_inject, mock, native_plugin and plugin (core
+# built-ins) and the types in L2_TYPE_WHEELS.
+LMCACHE_056_ONLY_L2_TYPES: frozenset[str] = frozenset(
+    {
+        "aerospike",
+        "bigtable",
+        "dax",
+        "hf3fs",
+        "hfbucket",
+        "mooncake_store",
+        "nixl_store_dynamic",
+        "p2p",
+        "raw_block",
+        "sagemaker-hyperpod",
+        "valkey",
+    }
+)
+
+_PLUGINS_HINT = "`lmcache plugins` lists the installed types and the plugins that failed to load"
+
+
+class _FailedPluginLike(Protocol):
+    name: str
+    value: str
+    distribution: str
+    reason: str
+
+
+def _canonical_dist(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _failure_of(wheel: str, failed: list[_FailedPluginLike]) -> _FailedPluginLike | None:
+    """The failed entry point that belongs to ``wheel`` (by distribution or module), if any."""
+    package = "lmcache.storage." + wheel.removeprefix("lmcache-")
+    for plugin in failed:
+        value = plugin.value or ""
+        if _canonical_dist(plugin.distribution or "") == wheel or (
+            value == package or value.startswith(package + ".") or value.startswith(package + ":")
+        ):
+            return plugin
+    return None
+
+
+class UnknownL2AdapterTypeError(LMCacheConfigError):
+    """An ``--l2-adapter`` ``type`` that no installed package registers.
+
+    The message starts with LMCache 0.5.6's text, verbatim (``--l2-adapter #1: unknown adapter
+    type 'x'. Known: a, b`` with ``where``; ``unknown L2 adapter type 'x'`` without), so scripts
+    matching it keep working. Then, on the same line (CLI errors are one line), ``hint`` names
+    the fix: the wheel that provides the type (only wheels that exist, ``L2_TYPE_WHEELS``), why
+    that wheel's plugin did not load, or that the type is one of 0.5.6's that this release does
+    not provide.
+    """
+
+    def __init__(
+        self,
+        type_name: object,
+        known: Iterable[str],
+        where: str = "",
+        *,
+        failed_plugins: Iterable[_FailedPluginLike] = (),
+    ) -> None:
+        """``where`` prefixes the message (e.g. ``--l2-adapter #2``); ``failed_plugins``: the
+        registry's failed entry points (``FailedPlugin``), to tell an installed wheel that
+        failed to load from a missing one."""
         self.type_name = type_name
         self.known = sorted(known)
-        hint = (
-            f" (pip install lmcache-{type_name}, if that wheel exists)"
-            if isinstance(type_name, str) and type_name.isidentifier()
-            else ""
-        )
-        super().__init__(
-            f"{where + ': ' if where else ''}unknown L2 adapter type {type_name!r}; known types: "
-            f"{', '.join(self.known) or '(none)'}. Fix the spelling, or install the wheel that "
-            f"provides it{hint}; `lmcache plugins` lists the installed types and the plugins "
-            "that failed to load"
+        self.failed_plugins = list(failed_plugins)
+        self.wheel = L2_TYPE_WHEELS.get(type_name) if isinstance(type_name, str) else None
+        known_text = ", ".join(self.known) or "(none)"
+        self.hint = self._hint()
+        if where:
+            text = f"{where}: unknown adapter type {type_name!r}. Known: {known_text}"
+        else:
+            text = f"unknown L2 adapter type {type_name!r}. Known: {known_text}"
+        super().__init__(f"{text}. {self.hint}")
+
+    def _hint(self) -> str:
+        name = self.type_name
+        if not isinstance(name, str):
+            return f"'type' must be a string naming one of the known types; {_PLUGINS_HINT}."
+        if self.wheel is not None:
+            failure = _failure_of(self.wheel, self.failed_plugins)
+            if failure is not None:
+                reason = " ".join(str(failure.reason).split())  # the message stays one line
+                return (
+                    f"Type {name!r} comes with the {self.wheel} wheel, which is installed but "
+                    f"its plugin {failure.name!r} ({failure.value}) failed to load: {reason}. "
+                    f"Fix that (or reinstall {self.wheel}); `lmcache plugins` shows the failure."
+                )
+            return (
+                f"Type {name!r} comes with the {self.wheel} wheel: pip install {self.wheel}; "
+                f"{_PLUGINS_HINT}."
+            )
+        if name in LMCACHE_056_ONLY_L2_TYPES:
+            return (
+                f"{name!r} is an LMCache 0.5.6 type not provided by this release (see "
+                f"docs/compat.md, L2 adapter types); use one of the known types. {_PLUGINS_HINT}."
+            )
+        close = difflib.get_close_matches(name, self.known, n=1)
+        did_you_mean = f" (did you mean {close[0]!r}?)" if close else ""
+        return (
+            f"Fix the spelling{did_you_mean}, or install the package that provides it; "
+            f"{_PLUGINS_HINT}."
         )

@@ -98,90 +98,116 @@ class MemoryObj:
     # ownership and layout
     @property
     def metadata(self) -> MemoryObjMetadata:
+        """Shape, dtype(s), arena offset, physical size and counts of the object."""
         return self._metadata
 
     @property
     def meta(self) -> MemoryObjMetadata:
+        """Same as :attr:`metadata` (0.5.x name)."""
         return self._metadata
 
     def get_shapes(self) -> list[torch.Size]:
+        """Shape of each group the object holds, in layout order."""
         return self._metadata.get_shapes()
 
     def get_dtypes(self) -> list[torch.dtype]:
+        """Dtype of each group, in layout order (``uint8`` when untyped)."""
         return self._metadata.get_dtypes()
 
     def get_shape(self) -> torch.Size:
+        """The primary shape (``metadata.shape``; single-group objects)."""
         return torch.Size(self._metadata.shape)
 
     def get_dtype(self) -> torch.dtype | None:
+        """The primary dtype (``metadata.dtype``), ``None`` when untyped."""
         return self._metadata.dtype
 
     def get_memory_format(self) -> MemoryFormat:
+        """The layout tag of the bytes (``MemoryFormat``)."""
         return self._metadata.fmt
 
     def set_l1_manager(self, tag: Any) -> None:
+        """Record which L1 manager owns the object (set by L1, read by the controllers)."""
         self._l1_manager = tag
 
     def get_l1_manager(self) -> Any:
+        """The tag given to :meth:`set_l1_manager`, ``None`` outside L1."""
         return self._l1_manager
 
     # sizes
     def get_size(self) -> int:
+        """Logical bytes: sum over groups of numel x itemsize, or the value of
+        :meth:`set_used_size`. Adapters store and load exactly this many bytes."""
         if self._used_size is not None:
             return self._used_size
         return self._metadata.logical_size()
 
     def set_used_size(self, n: int) -> None:
+        """Declare that only the first ``n`` bytes are used; ``ValueError`` outside ``[0,
+        physical size]``."""
         n = int(n)
         if n < 0 or n > self.get_physical_size():
             raise ValueError(f"used size {n} outside [0, {self.get_physical_size()}]")
         self._used_size = n
 
     def get_physical_size(self) -> int:
+        """Bytes of the allocated slot (aligned; at least :meth:`get_size`)."""
         return int(self._metadata.phy_size)
 
     # 0.5.x reference counting (the L1 manager tracks its own locks; these stay for plugins)
     def ref_count_up(self) -> None:
+        """0.5.x reference count +1 (kept for plugins; L1 tracks its own locks)."""
         with self._lock:
             self._metadata.ref_count += 1
 
     def ref_count_down(self) -> None:
+        """0.5.x reference count -1, never below 0."""
         with self._lock:
             self._metadata.ref_count = max(0, self._metadata.ref_count - 1)
 
     def get_ref_count(self) -> int:
+        """The 0.5.x reference count."""
         return self._metadata.ref_count
 
     def pin(self) -> bool:
+        """0.5.x pin count +1; always True."""
         with self._lock:
             self._metadata.pin_count += 1
         return True
 
     def unpin(self) -> bool:
+        """0.5.x pin count -1 (never below 0); always True."""
         with self._lock:
             self._metadata.pin_count = max(0, self._metadata.pin_count - 1)
         return True
 
     def is_pinned(self) -> bool:
+        """Whether the 0.5.x pin count is above 0."""
         return self._metadata.pin_count > 0
 
     @property
     def byte_array(self) -> memoryview:
+        """A writable, zero-copy ``memoryview`` (itemsize 1) over exactly :meth:`get_size`
+        bytes: what adapters write to or fill from their backend."""
         raise NotImplementedError
 
     @property
     def data_ptr(self) -> int:
+        """Address of the first byte (for native I/O and memory registration)."""
         raise NotImplementedError
 
     @property
     def tensor(self) -> torch.Tensor | None:
+        """The object as a tensor of the primary shape and dtype, ``None`` when it has none."""
         raise NotImplementedError
 
     @property
     def raw_tensor(self) -> torch.Tensor | None:
+        """The flat uint8 tensor over the whole slot, ``None`` when not tensor-backed."""
         raise NotImplementedError
 
     def get_tensor(self, index: int) -> torch.Tensor | None:
+        """Group ``index`` as a tensor of its shape and dtype (a view at its offset)."""
         raise NotImplementedError
 
     def physical_byte_array(self) -> memoryview:

@@ -53,6 +53,7 @@ def ComputeKVRank(world_size: int, global_rank: int, local_world_size: int, loca
 
 
 def WorldSizeFromKVRank(kv_rank: int) -> int:
+    """The world size packed into the top byte of ``kv_rank`` (see :func:`ComputeKVRank`)."""
     return (int(kv_rank) >> 24) & 0xFF
 
 
@@ -62,6 +63,8 @@ def IntHash2Bytes(n: int) -> bytes:
 
 
 def Bytes2IntHash(b: bytes) -> int:
+    """Test helper, inverse of :func:`IntHash2Bytes`: big-endian bytes as an int, masked
+    to 64 bits."""
     return int.from_bytes(bytes(b), "big") & 0xFFFFFFFFFFFFFFFF
 
 
@@ -122,9 +125,11 @@ class ObjectKey:
     Bytes2IntHash = staticmethod(Bytes2IntHash)
 
     def world_size(self) -> int:
+        """The world size packed into ``kv_rank``."""
         return WorldSizeFromKVRank(self.kv_rank)
 
     def to_encoded_object_key(self) -> EncodedObjectKey:
+        """The JSON-safe form (hash as lowercase hex) used by the HTTP API and key listings."""
         return EncodedObjectKey(
             chunk_hash_hex=bytes(self.chunk_hash).hex(),
             model_name=self.model_name,
@@ -145,6 +150,8 @@ class EncodedObjectKey:
     cache_salt: str = ""
 
     def to_object_key(self) -> ObjectKey:
+        """Back to an :class:`ObjectKey`, validated again; ``ValueError`` on bad hex or a
+        field the key rejects."""
         try:
             chunk_hash = bytes.fromhex(self.chunk_hash_hex)
         except ValueError as exc:
@@ -158,6 +165,7 @@ class EncodedObjectKey:
         )
 
     def to_dict(self) -> dict[str, Any]:
+        """The fields as a plain dict (JSON bodies)."""
         return {
             "chunk_hash_hex": self.chunk_hash_hex,
             "model_name": self.model_name,
@@ -168,6 +176,8 @@ class EncodedObjectKey:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> EncodedObjectKey:
+        """Inverse of :meth:`to_dict`; ``object_group_id`` and ``cache_salt`` are optional,
+        a missing required field raises ``KeyError``."""
         return cls(
             str(d["chunk_hash_hex"]),
             str(d["model_name"]),
@@ -195,6 +205,7 @@ class MemoryLayoutDesc:
         self.shapes = [torch.Size(s) for s in self.shapes]
 
     def nbytes(self) -> int:
+        """Logical bytes of one object of this layout: sum of numel x itemsize over groups."""
         total = 0
         for s, d in zip(self.shapes, self.dtypes, strict=False):
             total += s.numel() * d.itemsize
@@ -203,12 +214,17 @@ class MemoryLayoutDesc:
 
 @dataclass(frozen=True)
 class KeyEntry:
+    """One stored object in an L2 key listing: its key and stored size in bytes."""
+
     key: EncodedObjectKey
     size_bytes: int
 
 
 @dataclass
 class KeyListPage:
+    """One page of ``L2AdapterInterface.list_l2_keys``; ``next_page_token`` is passed back to
+    get the next page and is ``None`` on the last one."""
+
     entries: list[KeyEntry]
     next_page_token: str | None = None
 
@@ -233,6 +249,10 @@ class GroupedObjectKeys:
 
 @dataclass
 class PrefetchTaskSpec:
+    """What a lookup asks the storage manager to find and lock: rows of keys (one per object
+    group and kv rank, equal lengths), how many readers will retrieve them, whether a prefix
+    or every chunk counts (``fetching_policy``) and whether hits are locked."""
+
     key_groups: list[GroupedObjectKeys]
     num_kv_readers: int = 1
     fetching_policy: str = "prefix"
@@ -251,14 +271,19 @@ class PrefetchTaskSpec:
 
     @property
     def num_chunks(self) -> int:
+        """Chunks per row (columns of the key matrix)."""
         return len(self.key_groups[0].keys) if self.key_groups else 0
 
     def all_keys(self) -> list[ObjectKey]:
+        """Every key of every row, row by row."""
         return [k for g in self.key_groups for k in g.keys]
 
 
 @dataclass
 class PrefetchHandle:
+    """The receipt of a submitted prefetch, used to poll its result; ``submit_time`` is
+    ``time.time()`` seconds."""
+
     prefetch_request_id: int
     external_request_id: str
     total_requested_keys: int
@@ -267,6 +292,7 @@ class PrefetchHandle:
 
     @property
     def is_empty(self) -> bool:
+        """True for the placeholder handle of a request with nothing to prefetch (id -1)."""
         return self.prefetch_request_id == -1
 
 
@@ -285,9 +311,11 @@ class PrefetchResult:
     l1_owners: list[list[int]] = field(default_factory=list)
 
     def hit_prefix_length(self) -> int:
+        """Leading chunks every row hit: the prefix the engine may skip."""
         if not self.hit_cells:
             return 0
         return min(bm.count_leading_ones() for bm in self.hit_cells)
 
     def num_hit_keys(self) -> int:
+        """Hit cells over all rows."""
         return sum(bm.popcount() for bm in self.hit_cells)

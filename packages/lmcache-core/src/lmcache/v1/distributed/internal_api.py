@@ -48,9 +48,11 @@ class L2StoreResult(int):
         return self
 
     def is_successful(self) -> bool:
+        """Whether the store succeeded (value >= 0). Use this, never truthiness."""
         return int(self) >= 0
 
     def bytes_transferred(self) -> int:
+        """Bytes actually written (0 for a duplicate or skipped key, and on failure)."""
         return max(0, int(self))
 
     def __repr__(self) -> str:

@@ -31,16 +31,22 @@ class EventNotifier(abc.ABC):
     """Wakes a thread blocked in select/poll on :meth:`fileno`."""
 
     @abc.abstractmethod
-    def fileno(self) -> int: ...
+    def fileno(self) -> int:
+        """The fd to poll; it stays readable from :meth:`notify` until :meth:`consume`."""
 
     @abc.abstractmethod
-    def notify(self) -> None: ...
+    def notify(self) -> None:
+        """Make the fd readable; never blocks, safe from any thread, and repeated notifies
+        before a consume collapse into one wake-up."""
 
     @abc.abstractmethod
-    def consume(self) -> None: ...
+    def consume(self) -> None:
+        """Reset the fd to not readable (the woken thread calls it before collecting the
+        work it was woken for); a no-op when nothing was notified."""
 
     @abc.abstractmethod
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """Close the fd(s); idempotent. The fd number may be reused afterwards."""
 
     def __enter__(self) -> EventNotifier:
         return self

@@ -120,42 +120,52 @@ def _has(fmt: Any, flag: str) -> bool:
 
 
 def is_kv_list(fmt: Any) -> bool:
+    """The engine passes two lists, K layers then V layers (``2 × NL × [...]``, SGLang MHA)."""
     return _has(fmt, "kv_list")
 
 
 def is_layer_list(fmt: Any) -> bool:
+    """The engine passes one tensor (or one K/V tuple, or planes) per layer: ``NL × [...]``."""
     return _has(fmt, "layer_list")
 
 
 def is_cross_layer(fmt: Any) -> bool:
+    """One tensor holds every layer, block-major: ``[NB, NL, 2, ...]``."""
     return _has(fmt, "cross_layer")
 
 
 def is_mla(fmt: Any) -> bool:
+    """Multi-head latent attention: one latent plane per token, no K/V split (``kv_size == 1``)."""
     return _has(fmt, "mla")
 
 
 def is_kv_second_tuple(fmt: Any) -> bool:
+    """Each layer is a tuple of planes, ``(K, V)`` or MLA planes, not one tensor."""
     return _has(fmt, "kv_second_tuple")
 
 
 def is_hnd(fmt: Any) -> bool:
+    """Heads before tokens inside a block (``[..., NH, BS, HS]``); NHD otherwise."""
     return _has(fmt, "hnd")
 
 
 def is_two_major(fmt: Any) -> bool:
+    """The K/V axis of 2 comes before the block axis in each layer (``[2, NB, ...]``)."""
     return _has(fmt, "two_major")
 
 
 def is_pbs_fused(fmt: Any) -> bool:
+    """Blocks and tokens are one flat axis (``[NB*BS, ...]``), SGLang style."""
     return _has(fmt, "pbs_fused")
 
 
 def is_fused_packed(fmt: Any) -> bool:
+    """K and V are packed into the last axis of one plane (``2*HS`` or ``CS`` wide)."""
     return _has(fmt, "fused_packed")
 
 
 def is_single_kv(fmt: Any) -> bool:
+    """The layer holds K or V alone (one plane per token, ``kv_size == 1``)."""
     return _has(fmt, "single_kv")
 
 

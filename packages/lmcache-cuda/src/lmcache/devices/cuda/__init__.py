@@ -5,7 +5,7 @@ Cheap to import: the spec only; ops, the compiled kernels and the pin backend lo
 
 from __future__ import annotations
 
-from lmcache.v1.platform.cuda_family.spec import CudaFamilyDeviceSpec
+from lmcache.v1.platform.api import CudaFamilyDeviceSpec
 
 __all__ = ["CudaDeviceSpec"]
 

@@ -8,7 +8,7 @@ binds every public callable here, so everything else is private.
 from __future__ import annotations
 
 from lmcache.devices.cuda import _C as _C
-from lmcache.v1.platform.cuda_family.native_shim import make_native_ops as _make
+from lmcache.v1.platform.api import make_native_ops as _make
 
 MAX_OBJECTS_PER_CALL = _C.MAX_OBJECTS_PER_LAUNCH
 

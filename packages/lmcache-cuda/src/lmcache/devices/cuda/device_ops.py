@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from lmcache.v1.platform.cuda_family.device_ops import CudaFamilyDeviceOps
+from lmcache.v1.platform.api import CudaFamilyDeviceOps
 
 
 class CudaDeviceOps(CudaFamilyDeviceOps):

@@ -18,10 +18,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from lmcache.utils import init_logger
 from lmcache.v1.distributed.api import ObjectKey
-from lmcache.v1.distributed.l2_adapters.key_codec import filename_to_object_key
-from lmcache.v1.distributed.l2_adapters.utils import fsync_dir
+from lmcache.v1.distributed.l2_adapters.api import filename_to_object_key, fsync_dir, init_logger
 
 logger = init_logger(__name__)
 

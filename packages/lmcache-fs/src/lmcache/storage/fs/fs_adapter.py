@@ -13,7 +13,6 @@ import threading
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
 
-from lmcache.lmcache_native import Bitmap
 from lmcache.storage.fs._files import (
     ScanProgress,
     fs_block_size,
@@ -22,17 +21,19 @@ from lmcache.storage.fs._files import (
     write_new_file,
 )
 from lmcache.storage.fs.config import FSL2AdapterConfig, check_relative_tmp_dir
-from lmcache.utils import RateLimitedLog, init_logger
 from lmcache.v1.distributed.api import ObjectKey
-from lmcache.v1.distributed.internal_api import L2StoreResult
-from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface, L2TaskId
-from lmcache.v1.distributed.l2_adapters.health import HealthTracker
-from lmcache.v1.distributed.l2_adapters.key_codec import object_key_to_filename
-from lmcache.v1.distributed.l2_adapters.utils import (
+from lmcache.v1.distributed.l2_adapters.api import (
+    Bitmap,
     CompletionChannels,
+    HealthTracker,
     KeyLockTable,
+    L2StoreResult,
+    RateLimitedLog,
+    init_logger,
+    object_key_to_filename,
     record_unknown_keys,
 )
+from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface, L2TaskId
 
 logger = init_logger(__name__)
 # Per-file errors repeat for every key while a disk is full: one line per kind every 30 s.

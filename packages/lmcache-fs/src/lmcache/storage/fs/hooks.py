@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from lmcache.storage.fs.config import FSL2AdapterConfig, FSNativeL2AdapterConfig
-from lmcache.v1.distributed.l2_adapters.hookspecs import L2AdapterTypeSpec, hookimpl
+from lmcache.v1.distributed.l2_adapters.api import L2AdapterTypeSpec, hookimpl
 
 
 def _create_fs(config: FSL2AdapterConfig, l1_memory_desc: Any = None) -> Any:

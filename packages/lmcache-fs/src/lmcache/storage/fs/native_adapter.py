@@ -13,9 +13,7 @@ from typing import Any
 
 from lmcache.storage.fs._files import ScanProgress, scan_directory
 from lmcache.storage.fs.config import FSNativeL2AdapterConfig, check_relative_tmp_dir
-from lmcache.v1.distributed.l2_adapters.native_connector_l2_adapter import (
-    NativeConnectorL2Adapter,
-)
+from lmcache.v1.distributed.l2_adapters.api import NativeConnectorL2Adapter
 
 
 def _load_client_class() -> Any:

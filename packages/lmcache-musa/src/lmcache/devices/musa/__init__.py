@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import os
 
+from lmcache.v1.platform.api import MPTransferMode
 from lmcache.v1.platform.base.device_spec import DeviceSpec
-from lmcache.v1.platform.transfer_mode import MPTransferMode
 
 __all__ = ["MusaDeviceSpec"]
 

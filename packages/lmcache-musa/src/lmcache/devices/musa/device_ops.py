@@ -13,11 +13,10 @@ import importlib
 import os
 from typing import Any, ClassVar
 
-from lmcache.utils import init_logger
 from lmcache.v1.platform import torch_ops
+from lmcache.v1.platform.api import DeviceViewOps, init_logger
 from lmcache.v1.platform.base.block_transfer import BlockTransferPlan
 from lmcache.v1.platform.base.device_ops import StreamWaitRecorders
-from lmcache.v1.platform.cuda_family.device_ops import DeviceViewOps
 from lmcache.v1.platform.ops_types import EngineKVFormat
 
 logger = init_logger(__name__)

@@ -7,7 +7,7 @@ import threading
 import time
 from typing import Any
 
-from lmcache.utils import RateLimitedLog
+from lmcache.v1.distributed.l2_adapters.api import RateLimitedLog
 
 WARN_INTERVAL_S = 10.0
 

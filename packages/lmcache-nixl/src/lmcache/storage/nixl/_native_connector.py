@@ -39,11 +39,11 @@ from lmcache.storage.nixl._arena import Arena, BufferRejected, buffer_address
 from lmcache.storage.nixl._health import Health
 from lmcache.storage.nixl._nixl_api import describe_error, new_agent
 from lmcache.storage.nixl.config import ADAPTER_PARAM_KEYS, is_true
-from lmcache.v1.distributed.l2_adapters.key_codec import (
+from lmcache.v1.distributed.l2_adapters.api import (
+    fsync_dir,
     object_key_to_filename,
     string_to_object_key,
 )
-from lmcache.v1.distributed.l2_adapters.utils import fsync_dir
 
 DIRECT_IO_ALIGN = 512
 MIN_WAIT_S = 0.00005

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from lmcache.storage.nixl.config import NixlNativeL2AdapterConfig, NixlStoreL2AdapterConfig
-from lmcache.v1.distributed.l2_adapters.hookspecs import L2AdapterTypeSpec, hookimpl
+from lmcache.v1.distributed.l2_adapters.api import L2AdapterTypeSpec, hookimpl
 
 
 def _create_nixl_store(config: NixlStoreL2AdapterConfig, l1_memory_desc: Any = None) -> Any:

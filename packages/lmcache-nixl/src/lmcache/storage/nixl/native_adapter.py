@@ -19,10 +19,10 @@ from lmcache.storage.nixl._health import Health
 from lmcache.storage.nixl._native_connector import NixlConnector, open_connector
 from lmcache.storage.nixl._nixl_api import nixl_build_name
 from lmcache.storage.nixl.config import NixlNativeL2AdapterConfig
-from lmcache.utils import init_logger
-from lmcache.v1.distributed.l2_adapters.key_codec import filename_to_object_key
-from lmcache.v1.distributed.l2_adapters.native_connector_l2_adapter import (
+from lmcache.v1.distributed.l2_adapters.api import (
     NativeConnectorL2Adapter,
+    filename_to_object_key,
+    init_logger,
 )
 
 logger = init_logger(__name__)

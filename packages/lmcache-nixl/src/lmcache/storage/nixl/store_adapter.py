@@ -26,19 +26,24 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from lmcache.lmcache_native import Bitmap
 from lmcache.storage.nixl._arena import Arena, BufferRejected
 from lmcache.storage.nixl._health import Health
 from lmcache.storage.nixl._nixl_api import describe_error as _describe
 from lmcache.storage.nixl._nixl_api import nixl_build_name
 from lmcache.storage.nixl._slots import SlotStorage
 from lmcache.storage.nixl.config import NixlStoreL2AdapterConfig
-from lmcache.utils import init_logger
 from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey
-from lmcache.v1.distributed.internal_api import L1MemoryDesc, L2StoreResult
+from lmcache.v1.distributed.l2_adapters.api import (
+    Bitmap,
+    CompletionChannels,
+    KeyLockTable,
+    L1MemoryDesc,
+    L2StoreResult,
+    TaskIds,
+    init_logger,
+    object_key_to_string,
+)
 from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface, L2TaskId
-from lmcache.v1.distributed.l2_adapters.key_codec import object_key_to_string
-from lmcache.v1.distributed.l2_adapters.utils import CompletionChannels, KeyLockTable, TaskIds
 
 logger = init_logger(__name__)
 

@@ -8,11 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from lmcache.storage.redis.config import RESPL2AdapterConfig
-from lmcache.v1.distributed.l2_adapters.hookspecs import (
-    L2AdapterTypeSpec,
-    hookimpl,
-    import_dependency,
-)
+from lmcache.v1.distributed.l2_adapters.api import L2AdapterTypeSpec, hookimpl, import_dependency
 
 
 def create_resp_adapter(config: RESPL2AdapterConfig, l1_memory_desc: Any = None) -> Any:
@@ -21,9 +17,7 @@ def create_resp_adapter(config: RESPL2AdapterConfig, l1_memory_desc: Any = None)
         "the resp adapter needs the compiled client of lmcache-redis",
         "reinstall it with `pip install lmcache-redis`",
     )
-    from lmcache.v1.distributed.l2_adapters.native_connector_l2_adapter import (
-        NativeConnectorL2Adapter,
-    )
+    from lmcache.v1.distributed.l2_adapters.api import NativeConnectorL2Adapter
 
     client = native.LMCacheRedisClient(
         config.host,

@@ -7,7 +7,7 @@ and the native module. CUDA and ROCm availability are mutually exclusive.
 
 from __future__ import annotations
 
-from lmcache.v1.platform.cuda_family.spec import CudaFamilyDeviceSpec
+from lmcache.v1.platform.api import CudaFamilyDeviceSpec
 
 __all__ = ["RocmDeviceSpec"]
 

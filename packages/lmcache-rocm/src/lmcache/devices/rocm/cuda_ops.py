@@ -5,7 +5,7 @@ module raises ImportError and the torch baseline answers."""
 from __future__ import annotations
 
 from lmcache.devices.rocm import _C as _C
-from lmcache.v1.platform.cuda_family.native_shim import make_native_ops as _make
+from lmcache.v1.platform.api import make_native_ops as _make
 
 MAX_OBJECTS_PER_CALL = _C.MAX_OBJECTS_PER_LAUNCH
 

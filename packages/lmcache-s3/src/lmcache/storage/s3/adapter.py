@@ -17,17 +17,22 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any
 
-from lmcache.lmcache_native import Bitmap
 from lmcache.storage.s3.breaker import CircuitBreaker
 from lmcache.storage.s3.config import S3L2AdapterConfig
 from lmcache.storage.s3.objects import MAX_KEYS_PER_PAGE, parse_list_page
 from lmcache.storage.s3.transport import Outcome, S3Transport
-from lmcache.utils import RateLimitedLog, init_logger
 from lmcache.v1.distributed.api import KeyEntry, KeyListPage, ObjectKey
-from lmcache.v1.distributed.internal_api import L2StoreResult
+from lmcache.v1.distributed.l2_adapters.api import (
+    Bitmap,
+    CompletionChannels,
+    KeyLockTable,
+    L2StoreResult,
+    RateLimitedLog,
+    TaskIds,
+    init_logger,
+    object_key_to_string,
+)
 from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface, L2TaskId
-from lmcache.v1.distributed.l2_adapters.key_codec import object_key_to_string
-from lmcache.v1.distributed.l2_adapters.utils import CompletionChannels, KeyLockTable, TaskIds
 
 logger = init_logger(__name__)
 

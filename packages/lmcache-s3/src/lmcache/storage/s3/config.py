@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from lmcache.utils import init_logger
+from lmcache.v1.distributed.l2_adapters.api import init_logger
 from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
 
 logger = init_logger(__name__)

@@ -8,11 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from lmcache.storage.s3.config import S3L2AdapterConfig
-from lmcache.v1.distributed.l2_adapters.hookspecs import (
-    L2AdapterTypeSpec,
-    hookimpl,
-    import_dependency,
-)
+from lmcache.v1.distributed.l2_adapters.api import L2AdapterTypeSpec, hookimpl, import_dependency
 
 
 def create_s3_adapter(config: S3L2AdapterConfig, l1_memory_desc: Any = None) -> Any:

@@ -11,7 +11,7 @@ import xml.etree.ElementTree as ET
 from urllib.parse import quote, urlencode
 
 from lmcache.v1.distributed.api import ObjectKey
-from lmcache.v1.distributed.l2_adapters.key_codec import string_to_object_key
+from lmcache.v1.distributed.l2_adapters.api import string_to_object_key
 
 MAX_KEYS_PER_PAGE = 1000  # the ListObjectsV2 ceiling
 

@@ -19,7 +19,7 @@ from typing import Any
 
 from lmcache.storage.s3.config import S3L2AdapterConfig, S3Target
 from lmcache.storage.s3.objects import list_path, object_path
-from lmcache.utils import init_logger
+from lmcache.v1.distributed.l2_adapters.api import init_logger
 
 logger = init_logger(__name__)
 

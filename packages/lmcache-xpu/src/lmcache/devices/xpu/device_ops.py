@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 from typing import Any, ClassVar
 
-from lmcache.utils import init_logger
+from lmcache.v1.platform.api import init_logger
 from lmcache.v1.platform.base.device_ops import DeviceOps
 
 logger = init_logger(__name__)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from lmcache.utils import init_logger
+from lmcache.v1.platform.api import init_logger
 from lmcache.v1.platform.base.pin_memory import PinMemoryBackend
 
 logger = init_logger(__name__)

@@ -65,6 +65,8 @@ logger = init_logger(__name__)
 __all__ = ["AdapterUsage", "L2AdapterInterface", "L2TaskId"]
 
 L2TaskId = int
+"""Id of one submitted task, unique within one adapter only (controllers key work by
+``(adapter_index, task_id)``)."""
 
 
 @dataclass(frozen=True)

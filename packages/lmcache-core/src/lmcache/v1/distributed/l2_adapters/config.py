@@ -45,6 +45,8 @@ __all__ = [
 GENERIC_FIELDS = frozenset(
     {"type", "affinity_tag", "shared", "eviction", "persist_enabled", "serde"}
 )
+"""Top-level ``--l2-adapter`` keys the parser handles for every type (set on the config after
+``from_dict``); a type's ``from_dict`` may ignore them."""
 
 
 def _optional_dict(d: dict[str, Any], key: str) -> dict[str, Any] | None:
@@ -57,11 +59,17 @@ def _optional_dict(d: dict[str, Any], key: str) -> dict[str, Any] | None:
 
 @dataclass
 class PersistConfig:
+    """Whether the store controller writes L1 objects behind to this adapter (``persist_enabled``
+    in the adapter's JSON, default true)."""
+
     persist_enabled: bool = True
 
 
 @dataclass
 class SerdeConfig:
+    """The adapter's ``serde`` block: the serializer ``type`` wrapped around the adapter and
+    its other keys as ``kwargs``."""
+
     type: str
     kwargs: dict[str, Any] = field(default_factory=dict)
 
@@ -83,11 +91,16 @@ class L2AdapterConfigBase(abc.ABC):
 
     @classmethod
     @abc.abstractmethod
-    def from_dict(cls, d: dict[str, Any]) -> L2AdapterConfigBase: ...
+    def from_dict(cls, d: dict[str, Any]) -> L2AdapterConfigBase:
+        """Build the config from one ``--l2-adapter`` JSON object (``type`` and the generic
+        keys included). Raise ``ValueError`` naming the bad field; the parser adds which
+        ``--l2-adapter`` it was and prints :meth:`help`."""
 
     @classmethod
     @abc.abstractmethod
-    def help(cls) -> str: ...
+    def help(cls) -> str:
+        """The type's fields, their defaults and an example, shown when its JSON is rejected
+        and by ``lmcache server --help``."""
 
     # --- static helpers for subclasses and the parser ---------------------------------
 
@@ -161,6 +174,8 @@ class L2AdapterConfigBase(abc.ABC):
 
 @dataclass
 class L2AdaptersConfig:
+    """Every parsed ``--l2-adapter``, in command-line order (the cascade order)."""
+
     adapters: list[L2AdapterConfigBase] = field(default_factory=list)
 
 
@@ -168,6 +183,8 @@ class L2AdaptersConfig:
 
 
 def register_l2_adapter_type(name: str, cls: type[L2AdapterConfigBase]) -> None:
+    """Make JSON ``type`` ``name`` parse with ``cls`` (0.5.6 API; entry-point wheels use
+    ``L2AdapterTypeSpec`` instead). A name already taken raises ``DuplicateRegistrationError``."""
     default_l2_adapter_registry().register_type(name, cls)
 
 
@@ -182,6 +199,7 @@ def get_registered_l2_adapter_types() -> list[str]:
 
 
 def get_type_name_for_config(cfg: L2AdapterConfigBase) -> str:
+    """The registered type name whose config class ``cfg`` is an instance of."""
     return default_l2_adapter_registry().type_name_for_config(cfg)
 
 
@@ -250,7 +268,7 @@ def parse_l2_adapter_dict(i: int, d: Any) -> L2AdapterConfigBase:
     """Parse one decoded ``--l2-adapter`` object (``i`` is its 1-based index)."""
     if not isinstance(d, dict):
         raise ValueError(f"--l2-adapter #{i}: expected a JSON object, got {type(d).__name__}")
-    if "type" not in d:
+    if d.get("type") is None:  # as 0.5.6: an explicit null is a missing type
         raise ValueError(f"--l2-adapter #{i}: missing 'type' field")
     t = d["type"]
     registry = default_l2_adapter_registry()
@@ -279,6 +297,9 @@ def parse_l2_adapter_dict(i: int, d: Any) -> L2AdapterConfigBase:
 
 
 def parse_args_to_l2_adapters_config(args: argparse.Namespace) -> L2AdaptersConfig:
+    """Parse every ``--l2-adapter`` JSON string of ``args`` (see :func:`add_l2_adapters_args`);
+    ``ValueError`` naming the adapter's position on bad JSON, an unknown type or a rejected
+    field."""
     adapters = []
     for i, raw in enumerate(getattr(args, "l2_adapter", None) or [], start=1):
         try:

@@ -38,6 +38,10 @@ STALE_AFTER_S = 30.0
 
 
 class HealthTracker:
+    """Health of one adapter's backend from the outcomes of its operations (see the module
+    docstring); ``name`` names the backend in logs (``"resp at redis.internal:6379"``).
+    Thread-safe: I/O threads report, the status endpoint reads."""
+
     def __init__(self, name: str) -> None:
         self.name = name  # e.g. "resp at redis.internal:6379"
         self._lock = threading.Lock()
@@ -55,6 +59,8 @@ class HealthTracker:
         )
 
     def success(self, op: str) -> None:
+        """Record that an ``op`` (``"store"``, ``"load"``, ...) reached the backend; logs once at
+        INFO when this leaves no operation failing after a failure."""
         now = time.monotonic()
         with self._lock:
             self._latest[op] = (True, now, "")
@@ -66,6 +72,8 @@ class HealthTracker:
             logger.info("L2 backend %s recovered (%s succeeded)", self.name, op)
 
     def failure(self, op: str, error: str) -> None:
+        """Record that ``op`` failed with ``error`` (the backend's text); the first failure of
+        a healthy backend logs one WARNING naming it and the cause."""
         now = time.monotonic()
         error = str(error) or "no reason given"
         with self._lock:
@@ -87,6 +95,8 @@ class HealthTracker:
 
     @property
     def healthy(self) -> bool:
+        """False while some operation's latest outcome is a failure younger than
+        ``STALE_AFTER_S`` seconds."""
         with self._lock:
             return not self._failing(time.monotonic())
 

@@ -39,6 +39,8 @@ ENTRY_POINT_GROUP = "lmcache.l2_adapters"
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+"""Decorator marking a storage wheel's ``lmcache_l2_adapter_types()`` hook implementation
+(pluggy project ``"lmcache.l2_adapters"``)."""
 
 #: ``factory(config, l1_memory_desc_or_None) -> L2AdapterInterface``
 L2AdapterFactory = Callable[["L2AdapterConfigBase", "L1MemoryDesc | None"], "L2AdapterInterface"]

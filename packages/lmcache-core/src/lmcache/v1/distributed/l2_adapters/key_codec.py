@@ -29,10 +29,14 @@ def _fields(key: ObjectKey, rank_prefix: str, model: str) -> str:
 
 
 def object_key_to_string(key: ObjectKey) -> str:
+    """The L2 name of ``key`` for native connectors, RESP keys and S3 objects:
+    ``<model>@<kv_rank: 8 hex>@<group hex>@<hash hex>[@<salt>]`` (byte-exact with 0.5.6)."""
     return _fields(key, "", key.model_name)
 
 
 def object_key_to_filename(key: ObjectKey) -> str:
+    """The file name of ``key`` for file backends: ``/`` in the model becomes ``-SEP-``, the
+    rank gets a ``0x`` prefix and the name ends in ``.data`` (byte-exact with 0.5.6)."""
     return _fields(key, "0x", key.model_name.replace("/", _SEP)) + _SUFFIX
 
 
@@ -63,6 +67,8 @@ def _parse(parts: list[str], model: str) -> ObjectKey | None:
 
 
 def string_to_object_key(s: str) -> ObjectKey | None:
+    """Inverse of :func:`object_key_to_string`; ``None`` for anything that is not such a name
+    (wrong field count, bad hex, invalid salt), so listings skip foreign objects."""
     parts = s.split("@")
     if len(parts) not in (4, 5) or not parts[0]:
         return None
@@ -70,6 +76,8 @@ def string_to_object_key(s: str) -> ObjectKey | None:
 
 
 def filename_to_object_key(name: str) -> ObjectKey | None:
+    """Inverse of :func:`object_key_to_filename`; ``None`` for foreign or temporary files
+    (no ``.data`` suffix, wrong field count, bad hex, invalid salt)."""
     if not name.endswith(_SUFFIX):
         return None
     parts = name[: -len(_SUFFIX)].split("@")

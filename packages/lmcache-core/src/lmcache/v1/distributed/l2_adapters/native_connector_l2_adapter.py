@@ -405,6 +405,7 @@ class NativeConnectorL2Adapter(CompletionChannels, L2AdapterInterface):
             return list(self._known.items())
 
     def lock_count(self, key: ObjectKey) -> int:
+        """Client-side lock references ``key`` holds (status, tests); 0 when unlocked."""
         return self._locks.count(key)
 
     def report_status(self) -> dict[str, Any]:

@@ -299,8 +299,12 @@ class L2AdapterRegistry:
     # ---- lookups ------------------------------------------------------------------------
 
     def unknown_type_error(self, name: object, where: str = "") -> UnknownL2AdapterTypeError:
-        """The one error for a type nobody registers (names the known types and the fix)."""
-        return UnknownL2AdapterTypeError(name, self.names(), where)
+        """The one error for a type nobody registers (names the known types and the fix;
+        the failed plugins tell an installed wheel that did not load from a missing one)."""
+        names = self.names()  # loads everything, so the failures are complete
+        with self._lock:
+            failed = list(self._failed)
+        return UnknownL2AdapterTypeError(name, names, where, failed_plugins=failed)
 
     def config_class(self, name: str) -> type[L2AdapterConfigBase]:
         """The config class of type (or alias) ``name``; loads plugins as needed."""

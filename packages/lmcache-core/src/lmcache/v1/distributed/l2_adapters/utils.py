@@ -53,6 +53,8 @@ class KeyLockTable:
         self._mu = threading.Lock()
 
     def lock(self, keys: list[ObjectKey]) -> None:
+        """Take one reference on each key (a repeated key takes several) and restart its TTL.
+        Adapters call it when a lookup-and-lock finds the key."""
         with self._mu:
             for k in keys:
                 lk = self._locks.get(k)
@@ -61,6 +63,8 @@ class KeyLockTable:
                 lk.lock()
 
     def unlock(self, keys: list[ObjectKey]) -> None:
+        """Drop one reference on each key; unknown or expired keys are ignored (``submit_unlock``
+        must always succeed)."""
         with self._mu:
             for k in keys:
                 lk = self._locks.get(k)
@@ -71,6 +75,8 @@ class KeyLockTable:
                     del self._locks[k]
 
     def is_locked(self, key: ObjectKey) -> bool:
+        """Whether ``key`` holds a reference that has not expired; eviction and ``delete`` skip
+        locked keys."""
         with self._mu:
             lk = self._locks.get(key)
             if lk is None:
@@ -81,6 +87,7 @@ class KeyLockTable:
             return True
 
     def count(self, key: ObjectKey) -> int:
+        """References ``key`` holds (status and tests)."""
         with self._mu:
             lk = self._locks.get(key)
             return lk.count() if lk is not None else 0
@@ -91,6 +98,7 @@ class KeyLockTable:
             return sum(1 for lk in self._locks.values() if lk.is_locked())
 
     def clear(self) -> None:
+        """Drop every lock (adapter ``close``)."""
         with self._mu:
             self._locks.clear()
 
@@ -103,6 +111,7 @@ class TaskIds:
         self._mu = threading.Lock()
 
     def next(self) -> int:
+        """The next id, starting at 1; thread-safe."""
         with self._mu:
             return next(self._it)
 
@@ -192,21 +201,27 @@ class CompletionChannels:
             channel.close()
 
     def get_store_event_fd(self) -> int:
+        """The store channel's fd, readable after a store completes (the interface's method)."""
         return self._store_channel.fileno()
 
     def get_lookup_and_lock_event_fd(self) -> int:
+        """The lookup channel's fd, readable after a lookup-and-lock completes."""
         return self._lookup_channel.fileno()
 
     def get_load_event_fd(self) -> int:
+        """The load channel's fd, readable after a load completes."""
         return self._load_channel.fileno()
 
     def pop_completed_store_tasks(self) -> dict[int, L2StoreResult]:
+        """Every store result published since the last call, by task id; each exactly once."""
         return self._store_channel.take_all()
 
     def query_lookup_and_lock_result(self, task_id: int) -> Bitmap | None:
+        """The lookup bitmap of ``task_id`` once it completed (exactly once), else ``None``."""
         return self._lookup_channel.take(task_id)
 
     def query_load_result(self, task_id: int) -> Bitmap | None:
+        """The load bitmap of ``task_id`` once it completed (exactly once), else ``None``."""
         return self._load_channel.take(task_id)
 
     def _complete_load(self, task_id: int, keys: list[ObjectKey], loaded: list[bool]) -> None:

@@ -49,10 +49,12 @@ class ChunkSpan:
 
     @property
     def blocks(self) -> slice:
+        """``first_block:end_block`` as a slice of the flat block-id list."""
         return slice(self.first_block, self.end_block)
 
     @property
     def num_blocks(self) -> int:
+        """How many blocks of this object the transfer moves."""
         return self.end_block - self.first_block
 
 
@@ -72,6 +74,7 @@ class BlockTransferPlan:
 
     @property
     def d2h(self) -> bool:
+        """True for a store (engine -> LMCache chunk), False for a retrieve."""
         return self.direction == TransferDirection.D2H
 
     def replace(self, **changes: Any) -> BlockTransferPlan:
@@ -90,6 +93,8 @@ class BlockTransferPlan:
             )
 
     def blocks_per_object(self, block_size: int) -> int:
+        """Engine blocks of ``block_size`` tokens per lmcache object (``chunk_size //
+        block_size``); ``ValueError`` when the chunk size is not a multiple of it."""
         if block_size <= 0 or self.chunk_size % block_size:
             raise ValueError(
                 f"lmcache_chunk_size={self.chunk_size} is not a multiple of the block size "

@@ -15,9 +15,21 @@ from typing import Any, ClassVar
 
 from lmcache.v1.platform.ops_types import EngineKVFormat, PageBufferShapeDesc
 
+__all__ = [
+    "BaseCacheContext",
+    "KVLayerGroupsManager",
+    "KernelGroup",
+    "ObjectGroup",
+    "TorchCacheContext",
+]
+
 
 @dataclass
 class KernelGroup:
+    """Layers that one transfer call moves together: same engine KV format, geometry, dtype
+    and engine group. ``layer_indices`` index the context's ``kv_tensors``; ``object_group``
+    is the :class:`ObjectGroup` whose memory objects hold this group's bytes."""
+
     group_id: int
     layer_indices: list[int]
     engine_kv_format: EngineKVFormat
@@ -28,32 +40,42 @@ class KernelGroup:
 
     @property
     def kv_size(self) -> int:
+        """Planes per token in the host chunk: 2 (K and V) or 1 (MLA, fused, single)."""
         return int(self.shape_desc.kv_size)
 
     @property
     def num_layers(self) -> int:
+        """Layers in the group."""
         return len(self.layer_indices)
 
     @property
     def block_size(self) -> int:
+        """Tokens per engine block (``shape_desc.bs``)."""
         return int(self.shape_desc.bs)
 
     @property
     def hidden_dim(self) -> int:
+        """Elements per token, layer and plane in the host chunk (``NH*HS``, ``HS`` for MLA,
+        the packed width for fused formats)."""
         from lmcache.v1.platform.kv_layout import hidden_dim_of
 
         return hidden_dim_of(self.shape_desc)
 
     def bytes_per_token(self) -> int:
+        """Host-chunk bytes one token of this group takes, all its layers and planes."""
         return self.kv_size * self.num_layers * self.hidden_dim * int(self.shape_desc.element_size)
 
 
 @dataclass
 class ObjectGroup:
+    """Kernel groups stored in one memory object: each group's array follows the previous
+    one's, in ``kernel_groups`` order."""
+
     group_id: int
     kernel_groups: list[KernelGroup] = field(default_factory=list)
 
     def bytes_per_token(self) -> int:
+        """Bytes one token takes in an object of this group (sum over its kernel groups)."""
         return sum(kg.bytes_per_token() for kg in self.kernel_groups)
 
     def kernel_group_offset(self, kg: KernelGroup, num_tokens: int) -> int:
@@ -68,6 +90,9 @@ class ObjectGroup:
 
 @dataclass
 class KVLayerGroupsManager:
+    """The kernel groups of one worker's KV caches and the object groups that store them;
+    built once per registration by :meth:`build`."""
+
     kernel_groups: list[KernelGroup]
     object_groups: list[ObjectGroup]
 
@@ -157,70 +182,97 @@ class BaseCacheContext(abc.ABC):
     # ---- abstract ------------------------------------------------------------------------
     @property
     @abc.abstractmethod
-    def stream(self) -> Any: ...
+    def stream(self) -> Any:
+        """The server-side stream every transfer of this context runs on; imported worker
+        events are waited on it before a transfer reads the worker's KV."""
 
     @property
     @abc.abstractmethod
-    def cupy_stream(self) -> Any: ...
+    def cupy_stream(self) -> Any:
+        """The same stream as a CuPy stream for backends whose kernels take one, else
+        ``None`` (core's contexts pass raw stream handles)."""
 
     @property
     @abc.abstractmethod
-    def max_batch_size(self) -> int: ...
+    def max_batch_size(self) -> int:
+        """How many chunks one transfer may stage at once: the number of per-batch temporary
+        buffers (``batch_idx`` runs over ``range(max_batch_size)``)."""
 
     @abc.abstractmethod
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """Free the temporary buffers and close the worker's IPC wrappers. Called once when
+        the worker unregisters or the server stops; the context is unusable afterwards."""
 
     @abc.abstractmethod
-    def get_kernel_group_kv_pointers(self, kg: KernelGroup) -> Any: ...
+    def get_kernel_group_kv_pointers(self, kg: KernelGroup) -> Any:
+        """A 1-D int64 device tensor of ``kg``'s layer base addresses (pointer-mode operand
+        of ``multi_layer_block_kv_transfer``); built once and cached."""
 
     @abc.abstractmethod
-    def get_temp_kernel_group_buffer(self, batch_idx: int, kg: KernelGroup) -> Any: ...
+    def get_temp_kernel_group_buffer(self, batch_idx: int, kg: KernelGroup) -> Any:
+        """``kg``'s part of the temporary chunk buffer of batch slot ``batch_idx``, shaped and
+        typed as :meth:`get_kernel_group_shape_dtype` says for a full chunk."""
 
     @abc.abstractmethod
-    def get_temp_object_group_buffer(self, batch_idx: int, og: ObjectGroup) -> Any: ...
+    def get_temp_object_group_buffer(self, batch_idx: int, og: ObjectGroup) -> Any:
+        """A flat uint8 device buffer holding one full chunk of ``og`` for batch slot
+        ``batch_idx`` (``0 <= batch_idx < max_batch_size``, else ``ValueError``); allocated
+        on first use and reused."""
 
     @abc.abstractmethod
-    def get_kernel_group_shape_dtype(self, num_tokens: int, kg: KernelGroup) -> tuple[Any, Any]: ...
+    def get_kernel_group_shape_dtype(self, num_tokens: int, kg: KernelGroup) -> tuple[Any, Any]:
+        """``(torch.Size([kv_size, num_layers, num_tokens, hidden_dim]), dtype)`` of ``kg``'s
+        array inside a memory object of ``num_tokens`` tokens."""
 
     @abc.abstractmethod
-    def cache_size_per_token(self) -> int: ...
+    def cache_size_per_token(self) -> int:
+        """Bytes one token takes in a memory object, every kernel group included."""
 
     # ---- concrete helpers --------------------------------------------------------------
     @property
     def device(self) -> Any:
+        """The device holding every KV layer (a ``torch.device``)."""
         return self._device
 
     @property
     def kv_tensors(self) -> list[Any]:
+        """The worker's KV layers opened in this process, in layer order."""
         return self._kv_caches
 
     @property
     def num_layers(self) -> int:
+        """Number of KV layers registered."""
         return self._num_layers
 
     @property
     def kernel_groups(self) -> list[KernelGroup]:
+        """Every kernel group, in ``group_id`` order."""
         return self.kv_layer_groups_manager.kernel_groups
 
     @property
     def object_groups(self) -> list[ObjectGroup]:
+        """Every object group, in ``group_id`` order."""
         return self.kv_layer_groups_manager.object_groups
 
     @property
     def num_blocks(self) -> int:
+        """Blocks in the engine's paged cache (of the first kernel group; 0 when empty)."""
         return int(self.kernel_groups[0].shape_desc.nb) if self.kernel_groups else 0
 
     def _kg(self, kg: KernelGroup | None) -> KernelGroup:
         return kg if kg is not None else self.kernel_groups[0]
 
     def get_shape_desc(self, kg: KernelGroup | None = None) -> PageBufferShapeDesc:
+        """The paged-buffer geometry of ``kg`` (default: the first kernel group)."""
         return self._kg(kg).shape_desc
 
     def get_engine_kv_format(self, kg: KernelGroup | None = None) -> EngineKVFormat:
+        """The engine KV format of ``kg`` (default: the first kernel group)."""
         return self._kg(kg).engine_kv_format
 
     @property
     def engine_kv_formats(self) -> list[EngineKVFormat]:
+        """The engine KV format of each kernel group, in group order."""
         return [kg.engine_kv_format for kg in self.kernel_groups]
 
     def kernel_group_layers(self, kg: KernelGroup) -> list[Any]:
@@ -241,6 +293,8 @@ class BaseCacheContext(abc.ABC):
         return out
 
     def report_status(self) -> dict[str, Any]:
+        """A JSON-safe summary (device, layers, blocks, chunk size, kernel groups) shown by
+        the server's status and debug endpoints."""
         return {
             "device_type": self.device_type,
             "device": str(self._device),
@@ -260,6 +314,9 @@ class BaseCacheContext(abc.ABC):
         }
 
     def hold_imported_event(self, event: Any) -> None:
+        """Keep an event imported from the worker alive until
+        :meth:`release_imported_event`: the stream may still wait on it after the request
+        that brought it has returned."""
         with self._event_lock:
             self._held_events.append(event)
 

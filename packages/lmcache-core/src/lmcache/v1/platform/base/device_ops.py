@@ -49,6 +49,15 @@ if TYPE_CHECKING:
 
 logger = init_logger(__name__)
 
+# The plugin API of this module (logger and the private helpers are not part of it).
+__all__ = [
+    "DEFAULT_MAX_OBJECTS_PER_CALL",
+    "DEVICE_OP_NAMES",
+    "DeviceOps",
+    "StreamWaitRecorders",
+    "resolve_kv_transfer_operands",
+]
+
 # Every op a DeviceOps declares (and torch_ops mirrors); docs/design/platform.md lists them.
 DEVICE_OP_NAMES: tuple[str, ...] = (
     "multi_layer_block_kv_transfer",
@@ -85,8 +94,10 @@ DEVICE_OP_NAMES: tuple[str, ...] = (
     "rotary_embedding_k_fused_strided",
     "get_gpu_pci_bus_id",
 )
+"""Names of every op a ``DeviceOps`` declares and ``torch_ops`` mirrors, in doc order."""
 
 DEFAULT_MAX_OBJECTS_PER_CALL = 4
+"""Chunks per pointer-mode transfer call when the ops do not set ``max_objects_per_call``."""
 
 
 def _t() -> Any:

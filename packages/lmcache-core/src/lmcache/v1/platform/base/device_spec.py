@@ -50,6 +50,14 @@ if TYPE_CHECKING:
 
 logger = init_logger(__name__)
 
+# The plugin API of this module (logger and the private helpers are not part of it).
+__all__ = [
+    "DeviceSpec",
+    "effective_default_mode",
+    "effective_lmcache_driven_available",
+    "overrides",
+]
+
 # One lock for every spec's lazy singletons: creation is rare, and an RLock lets an
 # ensure_native() that resolves another backend's ops (tensor_from_ptr) re-enter.
 _SINGLETON_LOCK = threading.RLock()

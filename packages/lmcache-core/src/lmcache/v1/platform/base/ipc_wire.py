@@ -19,8 +19,26 @@ from lmcache.v1.platform.base.ipc_wrapper import DeviceIPCWrapper, TensorMetadat
 
 logger = init_logger(__name__)
 
+# The plugin API of this module (logger and the private registry are not part of it).
+__all__ = [
+    "IPC_WRAPPER_EXT_TYPE",
+    "WIRE_VERSION",
+    "decode_wrapper",
+    "enc_hook",
+    "encode_wrapper",
+    "ext_hook",
+    "register_wire_wrapper",
+    "registered_wire_tags",
+    "reset_wire_registry",
+    "wire_tag_of",
+    "wrapper_from_dict",
+    "wrapper_to_dict",
+]
+
 IPC_WRAPPER_EXT_TYPE = 1
+"""The msgpack extension type code of an IPC wrapper on the wire (same as 0.5.6)."""
 WIRE_VERSION = 1
+"""The ``version`` field of every wrapper body; another value is rejected on decode."""
 _RESERVED = ("type", "version", "metadata")
 
 _lock = threading.RLock()
@@ -100,6 +118,8 @@ def register_wire_wrapper(cls: type[DeviceIPCWrapper], tag: str | None = None) -
 
 
 def registered_wire_tags() -> dict[str, type[DeviceIPCWrapper]]:
+    """A copy of the tag -> wrapper class registry, after loading every spec's
+    ``ipc_wire_types`` (``lmcache plugins`` and tests list it)."""
     _ensure_specs()
     with _lock:
         return dict(_by_tag)
@@ -123,6 +143,8 @@ def _unknown_tag(tag: Any) -> ValueError:
 
 
 def wire_tag_of(wrapper: DeviceIPCWrapper) -> str:
+    """The tag ``wrapper``'s exact class is registered under; ``ValueError`` telling how to
+    register it when it is not (subclasses are not matched: each needs its own tag)."""
     _ensure_specs()
     with _lock:
         tag = _by_cls.get(type(wrapper))
@@ -148,6 +170,9 @@ def wrapper_to_dict(wrapper: DeviceIPCWrapper) -> dict[str, Any]:
 
 
 def wrapper_from_dict(data: Any) -> DeviceIPCWrapper:
+    """Rebuild a wrapper from a decoded ext body: look its ``type`` up in the registry, check
+    ``version``, then ``cls.from_wire(data)`` and ``restore_metadata``. Anything malformed or
+    unknown is a ``ValueError``; nothing is unpickled."""
     if not isinstance(data, dict):
         raise ValueError(f"IPC wrapper body must be a map, got {type(data).__name__}")
     tag = data.get("type")

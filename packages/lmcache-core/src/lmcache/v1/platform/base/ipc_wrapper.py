@@ -26,6 +26,8 @@ def dtype_name(dtype: Any) -> str:
 
 
 def dtype_from_name(name: str) -> Any:
+    """``"bfloat16"`` -> ``torch.bfloat16``; ``ValueError`` naming ``name`` when it is not a
+    torch dtype (wire metadata is validated with it before any tensor is built)."""
     import torch
 
     dt = getattr(torch, str(name), None) if isinstance(name, str) else None
@@ -78,6 +80,7 @@ class TensorMetadata:
 
     @property
     def element_size(self) -> int:
+        """Bytes per element of ``dtype``."""
         return dtype_from_name(self.dtype).itemsize
 
     def span_bytes(self) -> int:
@@ -90,6 +93,8 @@ class TensorMetadata:
         return (last + 1) * self.element_size
 
     def check_fits(self, alloc_nbytes: int) -> None:
+        """``ValueError`` when the view reaches past an allocation of ``alloc_nbytes`` bytes.
+        Wrappers call it before building a tensor over memory opened from a peer's handle."""
         span = self.span_bytes()
         if span > alloc_nbytes:
             raise ValueError(
@@ -99,6 +104,7 @@ class TensorMetadata:
             )
 
     def to_dict(self) -> dict[str, Any]:
+        """The wire's ``metadata`` map (msgpack primitives only)."""
         return {
             "dtype": self.dtype,
             "shape": list(self.shape),
@@ -109,6 +115,8 @@ class TensorMetadata:
 
     @classmethod
     def from_dict(cls, data: Any) -> TensorMetadata:
+        """Inverse of :meth:`to_dict`, validating every field; ``ValueError`` naming the bad
+        or missing field."""
         if not isinstance(data, dict):
             raise ValueError(f"IPC wrapper metadata must be a map, got {type(data).__name__}")
         try:
@@ -126,6 +134,8 @@ class TensorMetadata:
 
     @classmethod
     def of_tensor(cls, tensor: Any, device_uuid: str = "") -> TensorMetadata:
+        """The metadata of ``tensor``'s view (dtype, shape, stride, storage offset in
+        elements); ``device_uuid`` names the device holding it."""
         return cls(
             dtype=dtype_name(tensor.dtype),
             shape=tuple(tensor.shape),
@@ -136,10 +146,16 @@ class TensorMetadata:
 
 
 def device_uuid_for_index(module: Any, index: int) -> str:
+    """The UUID of device ``index`` of the torch device ``module`` (``torch.cuda``...).
+    Wrappers send UUIDs, not ordinals: the two processes may see devices in different
+    orders (``CUDA_VISIBLE_DEVICES``)."""
     return str(module.get_device_properties(index).uuid)
 
 
 def device_index_for_uuid(module: Any, uuid: str) -> int:
+    """The local ordinal of the device with ``uuid`` (the receiving side of
+    :func:`device_uuid_for_index`); ``RuntimeError`` telling to make all devices visible
+    when none matches."""
     for i in range(int(module.device_count())):
         if device_uuid_for_index(module, i) == uuid:
             return i
@@ -173,12 +189,20 @@ class DeviceIPCWrapper:
 
     @classmethod
     def wrap(cls, tensor: Any) -> DeviceIPCWrapper:
+        """Export ``tensor`` (one engine KV layer or plane) for another process. Called on the
+        worker by ``kv_wrap.wrap_kv_caches`` when it registers in LMCache-driven mode; the
+        tensor must stay alive while the server uses the wrapper."""
         return cls(tensor)
 
     def to_tensor(self) -> Any:
+        """Open the handle in this process and return a tensor viewing the same memory with
+        the recorded dtype, shape, stride and offset. Called by the server's cache context
+        when it registers the worker's KV caches."""
         raise NotImplementedError(f"{type(self).__name__}.to_tensor")
 
     def close(self) -> None:
+        """Release what :meth:`to_tensor` opened (mappings, imported handles); the tensor must
+        no longer be used. Called when the cache context closes. The base does nothing."""
         return None
 
     def _fields(self) -> dict[str, Any]:
@@ -193,6 +217,7 @@ class DeviceIPCWrapper:
         return id(self)
 
     def wire_metadata(self) -> TensorMetadata:
+        """The ``metadata`` core puts on the wire next to the variant fields."""
         return TensorMetadata(
             dtype=dtype_name(self.dtype),
             shape=tuple(self.shape),
@@ -202,6 +227,8 @@ class DeviceIPCWrapper:
         )
 
     def restore_metadata(self, md: TensorMetadata) -> None:
+        """Set dtype, shape, stride, offset and device UUID from decoded wire metadata
+        (called by the wire codec after :meth:`from_wire`)."""
         self.dtype = dtype_from_name(md.dtype)
         self.shape = tuple(md.shape)
         self.stride = tuple(md.stride)
@@ -209,8 +236,12 @@ class DeviceIPCWrapper:
         self.device_uuid = md.device_uuid
 
     def to_wire(self) -> dict[str, Any]:
+        """The variant's own fields (the handle, in msgpack primitives: bytes, str, int).
+        ``type``, ``version`` and ``metadata`` are reserved; core adds them."""
         raise NotImplementedError(f"{type(self).__name__}.to_wire")
 
     @classmethod
     def from_wire(cls, data: dict[str, Any]) -> DeviceIPCWrapper:
+        """Rebuild a wrapper from the decoded body map (reserved keys included); raise
+        ``ValueError`` on a malformed field. Metadata is restored by the caller."""
         raise NotImplementedError(f"{cls.__name__}.from_wire")

@@ -10,18 +10,28 @@ from lmcache.v1.platform.base.runtime_lib import load_first_library
 
 logger = init_logger(__name__)
 
+__all__ = ["HostRegisterPinMemoryBackend", "PinMemoryBackend"]
+
 
 class PinMemoryBackend:
     """Base backend: pinning unsupported, every call answers False."""
 
     def pin_memory(self, ptr: int, size: int, flags: int = 0) -> bool:
+        """Register ``size`` bytes of host memory at address ``ptr`` with the device runtime
+        so copies to and from it can be asynchronous; ``flags`` is passed to the runtime
+        (0 = its default). Returns whether it worked: callers (the shared-memory allocator,
+        the engine-driven SHM context) fall back to pageable memory, never fail, on False."""
         return False
 
     def unpin_memory(self, ptr: int) -> bool:
+        """Undo :meth:`pin_memory` for the region starting at ``ptr``; returns whether the
+        runtime accepted it. Called before the memory is freed or unmapped."""
         return False
 
     @property
     def is_pin_supported(self) -> bool:
+        """Whether :meth:`pin_memory` can work in this process (the runtime library loads);
+        the allocator asks once before pinning its arena."""
         return False
 
 
@@ -64,6 +74,7 @@ class HostRegisterPinMemoryBackend(PinMemoryBackend):
 
     @property
     def is_pin_supported(self) -> bool:
+        """True when the vendor runtime library loads (it is loaded at most once)."""
         try:
             self._runtime()
         except OSError:
@@ -71,6 +82,8 @@ class HostRegisterPinMemoryBackend(PinMemoryBackend):
         return True
 
     def pin_memory(self, ptr: int, size: int, flags: int = 0) -> bool:
+        """``<x>HostRegister(ptr, size, flags)``; a missing runtime or a non-zero error code
+        logs a warning and answers False."""
         name = self.register_symbol
         try:
             runtime = self._runtime()
@@ -85,6 +98,7 @@ class HostRegisterPinMemoryBackend(PinMemoryBackend):
         return True
 
     def unpin_memory(self, ptr: int) -> bool:
+        """``<x>HostUnregister(ptr)``; False (no log on an error code) when it fails."""
         name = self.unregister_symbol
         try:
             runtime = self._runtime()

@@ -14,13 +14,17 @@ from __future__ import annotations
 
 import ctypes
 import importlib
-from typing import Any, ClassVar
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from lmcache.utils import init_logger
 from lmcache.v1.platform import torch_ops
 from lmcache.v1.platform.base.device_ops import DeviceOps
 from lmcache.v1.platform.base.runtime_lib import load_first_library
 from lmcache.v1.platform.ops_types import TransferDirection
+
+if TYPE_CHECKING:
+    import torch
 
 logger = init_logger(__name__)
 
@@ -61,12 +65,22 @@ class DeviceViewOps(DeviceOps):
         raise NotImplementedError(f"{type(self).__name__} must define _current_device()")
 
     def lmcache_memcpy_async(
-        self, dest, src, nbytes, direction, host_buffer_offset, host_buffer_alignments
-    ):
+        self,
+        dest: torch.Tensor | int,
+        src: torch.Tensor | int,
+        nbytes: int,
+        direction: TransferDirection,
+        host_buffer_offset: int,
+        host_buffer_alignments: int,
+    ) -> None:
+        """Tensors (or a mixed pair, rejected there): the torch baseline. Raw addresses: one
+        stream-ordered ``copy_`` per :func:`host_pieces` piece between a host view and this
+        backend's device view (``tensor_from_ptr``) on the current device."""
         if not (isinstance(dest, int) and isinstance(src, int)):
-            return torch_ops.lmcache_memcpy_async(
+            torch_ops.lmcache_memcpy_async(
                 dest, src, nbytes, direction, host_buffer_offset, host_buffer_alignments
             )
+            return None
         import torch
 
         pieces = host_pieces(host_buffer_offset, int(nbytes), host_buffer_alignments)
@@ -97,6 +111,11 @@ class _ArrayInterface:
 
 
 class CudaFamilyDeviceOps(DeviceViewOps):
+    """Ops of the ``torch.cuda`` backends (CUDA, ROCm): the torch baseline until
+    ``ensure_native`` binds the wheel's compiled module (``native_module_name``), then the
+    kernels with pointer operands. Each wheel subclasses it, setting ``device_type`` and
+    ``native_module_name`` (and the runtime library names for ROCm)."""
+
     device_type: ClassVar[str] = "cuda"
     # The Python fallback takes tensors; a successful native bind switches the instance.
     kv_transfer_operands: ClassVar[str | None] = "tensor"
@@ -139,7 +158,16 @@ class CudaFamilyDeviceOps(DeviceViewOps):
         self.max_objects_per_call = getattr(module, "MAX_OBJECTS_PER_CALL", 4)
 
     # ---- raw pointers ------------------------------------------------------------------
-    def tensor_from_ptr(self, ptr, shape, dtype, device=None):
+    def tensor_from_ptr(
+        self,
+        ptr: int,
+        shape: Sequence[int],
+        dtype: torch.dtype,
+        device: torch.device | str | None = None,
+    ) -> torch.Tensor:
+        """A non-owning view of device address ``ptr`` through ``__cuda_array_interface__``
+        (any dtype, via a same-width integer view); when torch cannot attribute the address
+        to a device, a device-to-device copy instead. ``device="cpu"`` views host memory."""
         import torch
 
         if not ptr:
@@ -158,7 +186,14 @@ class CudaFamilyDeviceOps(DeviceViewOps):
                 logger.debug("tensor_from_ptr: CUDA array interface failed (%s); copying", exc)
         return self._copy_from_device_ptr(ptr, shape, dtype, device, itemsize)
 
-    def _copy_from_device_ptr(self, ptr, shape, dtype, device, itemsize):
+    def _copy_from_device_ptr(
+        self,
+        ptr: int,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        device: torch.device | str | None,
+        itemsize: int,
+    ) -> torch.Tensor:
         import math
 
         import torch

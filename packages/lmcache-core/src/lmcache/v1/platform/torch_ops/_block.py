@@ -126,7 +126,7 @@ def _plane_groups(planes: list[_Plane]) -> list[_Group]:
                 or not _same_storage(q.view, v)
             ):
                 break
-            d = q.view.storage_offset() - planes[j - 1].view.storage_offset()
+            d = int(q.view.storage_offset()) - int(planes[j - 1].view.storage_offset())
             if d <= 0 or (step and d != step):
                 break
             step = d
@@ -260,6 +260,7 @@ def _pointer_tensors(
             f"pointer operands need shape_desc nb/bs/hs > 0 (got nb={nb}, bs={bs}, hs={hs})"
         )
     nh = nh or 1
+    per: list[tuple[int, ...]]  # one shape per pointer
     if fmt == F.NB_NL_TWO_BS_NH_HS:
         per = [(nb, nl, 2, bs, nh, hs)]
     elif fmt == F.NB_NL_TWO_NH_BS_HS:
@@ -528,6 +529,7 @@ def _check_block_range(lo: int, hi: int, nb: int) -> None:
 def transfer_blocks(plan: BlockTransferPlan) -> None:
     """The torch baseline of ``DeviceOps.transfer_blocks``: runs ``plan`` on any device."""
     fmt = plan.engine_kv_format
+    objects: list[Any]  # host addresses or chunk tensors
     if isinstance(plan.objects, torch.Tensor):  # a tensor of host addresses
         objects = [int(a) for a in plan.objects.reshape(-1).tolist()]
     else:
@@ -683,7 +685,9 @@ def _as_carrier(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.T
     return a, b
 
 
-def _gather(layout: _Layout, host: torch.Tensor, idx: torch.Tensor, nblk: int, t0: int, nt: int):
+def _gather(
+    layout: _Layout, host: torch.Tensor, idx: torch.Tensor, nblk: int, t0: int, nt: int
+) -> None:
     same_device = host.device == layout.device
     for p in layout.planes:
         dst = _rows(host, p, t0, nt).unflatten(0, (nblk, layout.bs))
@@ -699,7 +703,9 @@ def _gather(layout: _Layout, host: torch.Tensor, idx: torch.Tensor, nblk: int, t
             dst.copy_(p.view.index_select(0, idx), non_blocking=True)
 
 
-def _scatter(layout: _Layout, host: torch.Tensor, idx: torch.Tensor, nblk: int, t0: int, nt: int):
+def _scatter(
+    layout: _Layout, host: torch.Tensor, idx: torch.Tensor, nblk: int, t0: int, nt: int
+) -> None:
     for p in layout.planes:
         src = _rows(host, p, t0, nt).unflatten(0, (nblk, layout.bs))
         if p.hnd:
@@ -729,7 +735,7 @@ def _run_pair(
     if g.hnd:
         n_g, _, nh, _, x = v.shape
         s_g, s_b, s_h, s_t, s_x = v.stride()
-        shape = (n_g, c, n, bs, nh, x)
+        shape: tuple[int, ...] = (n_g, c, n, bs, nh, x)
         blocks = v.as_strided(
             shape, (s_g, n * s_b, s_b, s_t, s_h, s_x), v.storage_offset() + a * s_b
         )

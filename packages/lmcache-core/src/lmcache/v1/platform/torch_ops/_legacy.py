@@ -88,6 +88,11 @@ def multi_layer_kv_transfer(
     skip_prefix_n_tokens: int = 0,
     block_stride_elems: int = 0,
 ) -> None:
+    """Legacy per-token copy: ``key_value`` (``[2, NL, T, hidden]``, MLA ``[1, NL, T, hidden]``)
+    to/from the slots ``slot_mapping[t]`` of the paged cache; negative slots and the first
+    ``skip_prefix_n_tokens`` tokens are skipped. HND formats need ``block_size`` and
+    ``head_size``; formats without a baseline raise ``NotImplementedError`` naming the format
+    (use ``multi_layer_block_kv_transfer``)."""
     fmt = to_engine_kv_format(engine_kv_format)
     direction = parse_direction(direction)
     if fmt not in _SUPPORTED:

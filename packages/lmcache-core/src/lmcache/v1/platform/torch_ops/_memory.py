@@ -7,7 +7,7 @@ import mmap
 import threading
 import warnings
 from multiprocessing import resource_tracker, shared_memory
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -41,6 +41,12 @@ def lmcache_memcpy_async(
     host_buffer_offset: int,
     host_buffer_alignments: int,
 ) -> None:
+    """Copy ``nbytes`` between a device buffer and host memory. Both operands are tensors or
+    both raw addresses (mixed: ``TypeError``); ``host_buffer_alignments`` is a power of two
+    (the pin-registration chunk) that no piece of the copy straddles, measured from
+    ``host_buffer_offset`` (the host address's offset from its allocation base). The baseline
+    copies raw addresses only in a CPU-only process; the caller synchronizes before using
+    the destination."""
     dest_is_int = isinstance(dest, int) and not isinstance(dest, bool)
     src_is_int = isinstance(src, int) and not isinstance(src, bool)
     if dest_is_int != src_is_int:
@@ -132,26 +138,33 @@ def _aligned_free(ptr: int) -> None:
 
 
 def alloc_pinned_ptr(size: int, device_id: int = 0) -> int:
+    """``size`` bytes of page-aligned, zero-filled host memory, pinned when the device runtime
+    allows (else unpinned, one warning); the address, valid until :func:`free_pinned_ptr`."""
     return _aligned_alloc(size)
 
 
 def free_pinned_ptr(ptr: int) -> None:
+    """Free memory from :func:`alloc_pinned_ptr`; an unknown address is logged and ignored."""
     _aligned_free(ptr)
 
 
 def alloc_pinned_numa_ptr(size: int, numa_id: int = 0) -> int:
+    """Like :func:`alloc_pinned_ptr`; the baseline ignores ``numa_id`` (no NUMA placement)."""
     return _aligned_alloc(size)
 
 
 def free_pinned_numa_ptr(ptr: int, size: int | None = None) -> None:
+    """Free memory from :func:`alloc_pinned_numa_ptr` (``size`` is not needed)."""
     _aligned_free(ptr)
 
 
 def alloc_numa_ptr(size: int, numa_id: int = 0) -> int:
+    """Alias of :func:`alloc_pinned_numa_ptr` (0.5.6 name)."""
     return alloc_pinned_numa_ptr(size, numa_id)
 
 
 def free_numa_ptr(ptr: int, size: int | None = None) -> None:
+    """Free memory from :func:`alloc_numa_ptr`."""
     free_pinned_numa_ptr(ptr, size)
 
 
@@ -165,20 +178,24 @@ def _hugepage_warning(name: str) -> None:
 
 
 def alloc_hugepage_pinned_ptr(size: int, device_id: int = 0) -> int:
+    """No hugepages in the baseline: warns (``RuntimeWarning``), then :func:`alloc_pinned_ptr`."""
     _hugepage_warning("alloc_hugepage_pinned_ptr")
     return alloc_pinned_ptr(size, device_id)
 
 
 def free_hugepage_pinned_ptr(ptr: int, size: int = 0) -> None:
+    """Free memory from :func:`alloc_hugepage_pinned_ptr`."""
     free_pinned_ptr(ptr)
 
 
 def alloc_hugepage_pinned_numa_ptr(size: int, numa_id: int = 0) -> int:
+    """No hugepages in the baseline: warns, then :func:`alloc_pinned_numa_ptr`."""
     _hugepage_warning("alloc_hugepage_pinned_numa_ptr")
     return alloc_pinned_numa_ptr(size, numa_id)
 
 
 def free_hugepage_pinned_numa_ptr(ptr: int, size: int = 0) -> None:
+    """Free memory from :func:`alloc_hugepage_pinned_numa_ptr`."""
     free_pinned_numa_ptr(ptr)
 
 
@@ -206,6 +223,9 @@ def _unlink_stale(name: str) -> None:
 
 
 def alloc_shm_pinned_ptr(size: int, shm_name: str = "") -> int:
+    """``size`` bytes of POSIX shared memory named ``shm_name`` (anonymous when empty; a
+    stale segment of that name is replaced), pinned through the active device spec when
+    possible; the address. The server's shared-memory L1 pool is allocated with it."""
     size = int(size)
     if size <= 0:
         raise ValueError(f"allocation size {size} must be > 0")
@@ -213,7 +233,7 @@ def alloc_shm_pinned_ptr(size: int, shm_name: str = "") -> int:
     if name:
         _unlink_stale(name)
     shm = shared_memory.SharedMemory(name=name, create=True, size=size)
-    ptr = _buffer_address(shm.buf)
+    ptr = _buffer_address(cast(memoryview, shm.buf))  # None only once closed
     with _alloc_lock:
         _shm_allocs[ptr] = (shm, size)
     try:
@@ -226,6 +246,8 @@ def alloc_shm_pinned_ptr(size: int, shm_name: str = "") -> int:
 
 
 def free_shm_pinned_ptr(ptr: int, size: int = 0, shm_name: str = "") -> None:
+    """Unpin, close and unlink memory from :func:`alloc_shm_pinned_ptr`; an unknown address
+    is logged and ignored."""
     with _alloc_lock:
         entry = _shm_allocs.pop(int(ptr), None)
     if entry is None:
@@ -258,6 +280,8 @@ def untrack_shm(shm: shared_memory.SharedMemory) -> None:
 
 
 def batched_memcpy(src_ptrs: Any, dst_ptrs: Any, sizes: Any) -> None:
+    """Host-to-host ``memmove`` of ``sizes[i]`` bytes from ``src_ptrs[i]`` to ``dst_ptrs[i]``
+    (sequences or int tensors of equal length, else ``ValueError``; sizes <= 0 skipped)."""
     src = [int(x) for x in (src_ptrs.tolist() if isinstance(src_ptrs, torch.Tensor) else src_ptrs)]
     dst = [int(x) for x in (dst_ptrs.tolist() if isinstance(dst_ptrs, torch.Tensor) else dst_ptrs)]
     nb = [int(x) for x in (sizes.tolist() if isinstance(sizes, torch.Tensor) else sizes)]
