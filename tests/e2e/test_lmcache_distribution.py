@@ -209,6 +209,7 @@ def test_plugins_that_depend_on_lmcache_fetch_nothing_of_ours(venv, ours, plugin
     versions = venv.versions()
     assert versions["lmcache"] == _version()  # still ours, not LMCache from the registry
     assert venv.changed_files(ours) == []
+    venv.pip("check")  # every requirement of every installed distribution is met
     namespace = json.loads(venv.lmcache("plugins", "--json").stdout)["namespace"]
     assert namespace == {"ok": True, "problems": [], "repair": []}
 
