@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from lmcache.utils import init_logger
-from lmcache.v1.distributed.config import EvictionConfig
+from lmcache.v1.distributed.eviction_config import EvictionConfig
 from lmcache.v1.distributed.l2_adapters.registry import default_l2_adapter_registry
 from lmcache.v1.errors import UnknownL2AdapterTypeError
 
