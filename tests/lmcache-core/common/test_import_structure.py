@@ -3,7 +3,8 @@
 The checks read ``packages/lmcache-core/src/lmcache`` with :mod:`ast` (nothing is imported)
 and build a graph of its modules. The rules, kept simple on purpose:
 
-- **Every import counts**: module level, inside functions and methods, under ``if``/``try``.
+- **Every import counts**: module level, inside functions and methods, under ``if``/``try``,
+  and ``importlib.import_module("lmcache....")`` with a literal name.
   Only imports under ``if TYPE_CHECKING:`` are left out: they never run, so they cannot
   form a cycle at run time. A lazy import in a function body is allowed for start-up cost
   (torch, plugins), but it is an edge like any other, so it cannot hide a cycle.
@@ -77,16 +78,34 @@ def _is_type_checking(test: ast.expr) -> bool:
     )
 
 
+_IMPORTING_CALLS = {"import_module", "__import__"}
+
+
+def _literal_import(node: ast.AST) -> str | None:
+    """The module named by ``import_module("x")`` / ``__import__("x")``, else None."""
+    if not isinstance(node, ast.Call) or not node.args:
+        return None
+    func = node.func
+    name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+    first = node.args[0]
+    if name in _IMPORTING_CALLS and isinstance(first, ast.Constant):
+        return first.value if isinstance(first.value, str) else None
+    return None
+
+
 def _import_nodes(
     tree: ast.AST, type_checking: bool = False
-) -> Iterable[ast.Import | ast.ImportFrom]:
-    """Every import node in ``tree``; those under ``if TYPE_CHECKING:`` only if asked."""
+) -> Iterable[ast.Import | ast.ImportFrom | ast.Call]:
+    """Every import node (and importing call) in ``tree``; those under
+    ``if TYPE_CHECKING:`` only if asked."""
     stack: list[ast.AST] = [tree]
     while stack:
         node = stack.pop()
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             yield node
             continue
+        if isinstance(node, ast.Call) and _literal_import(node) is not None:
+            yield node
         if isinstance(node, ast.If) and _is_type_checking(node.test) and not type_checking:
             stack.extend(node.orelse)  # ``else:`` of TYPE_CHECKING runs
             continue
@@ -115,6 +134,11 @@ def collect_imports(
     for name, path in files.items():
         tree = ast.parse(path.read_text(), str(path))
         for node in _import_nodes(tree, type_checking):
+            if isinstance(node, ast.Call):
+                literal = _literal_import(node)
+                if literal in modules:
+                    found.append(Import(name, node.lineno, literal, ()))
+                continue
             if isinstance(node, ast.Import):
                 for alias in node.names:
                     if alias.name in modules:
@@ -335,10 +359,18 @@ def test_cycle_checker_sees_function_level_and_relative_imports(tmp_path):
                 "def g():\n    import lmcache.v1.platform.a\n"
             ),
             "lmcache/v1/platform/d.py": "from . import c\n",
+            "lmcache/v1/platform/e.py": (
+                "import importlib\n"
+                "def h():\n    return importlib.import_module('lmcache.v1.platform.f')\n"
+            ),
+            "lmcache/v1/platform/f.py": "from lmcache.v1.platform import e\n",
         },
     )
     cycles = find_cycles(src)
-    assert len(cycles) == 1, cycles
+    assert len(cycles) == 2, cycles
+    assert cycles[1].startswith(
+        "lmcache.v1.platform.e -> lmcache.v1.platform.f (line 3 of lmcache.v1.platform.e)"
+    ), cycles
     assert cycles[0].startswith(
         "lmcache.v1.platform.a -> lmcache.v1.platform.b (line 1 of lmcache.v1.platform.a)"
         " -> lmcache.v1.platform.c (line 3 of lmcache.v1.platform.b)"
