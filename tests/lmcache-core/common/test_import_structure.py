@@ -4,7 +4,9 @@ The checks read ``packages/lmcache-core/src/lmcache`` with :mod:`ast` (nothing i
 and build a graph of its modules. The rules, kept simple on purpose:
 
 - **Every import counts**: module level, inside functions and methods, under ``if``/``try``,
-  and ``importlib.import_module("lmcache....")`` with a literal name.
+  and ``importlib.import_module("lmcache....")`` with a literal name. Module names held in
+  data (the L2 registry's ``BUILTIN_MODULES``, PEP 562 lazy-name tables, the CLI's
+  subcommand table) are not edges: they are loaded the way plugins are, through a table.
   Only imports under ``if TYPE_CHECKING:`` are left out: they never run, so they cannot
   form a cycle at run time. A lazy import in a function body is allowed for start-up cost
   (torch, plugins), but it is an edge like any other, so it cannot hide a cycle.
