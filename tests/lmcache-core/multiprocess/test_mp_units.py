@@ -87,7 +87,7 @@ def test_fan_out_reuses_key_objects_and_rows_stay_correct(monkeypatch):
     salted = fan_out_keys(_key(worker_id=1, cache_salt="s"), hashes, 0, 4)[0]
     assert [k.cache_salt for k in salted] == ["s"] * 4 and salted != first[0]
     # past its bound the cache starts over; rows built after that are still right
-    monkeypatch.setattr(engine._object_keys, "MAX_KEYS", 2)
+    monkeypatch.setattr(engine.object_key_cache, "MAX_KEYS", 2)
     for end in (1, 2, 3, 4):
         row = fan_out_keys(_key(worker_id=2), hashes, 0, end)[0]
         assert [k.chunk_hash for k in row] == hashes[:end]

@@ -38,7 +38,7 @@ def test_33_ops_are_declared_on_the_class_body_with_the_baseline_signature():
         method = DeviceOps.__dict__[name]
         assert inspect.isfunction(method)
         if name == "tensor_from_ptr":
-            baseline = torch_ops._tensor_from_ptr
+            baseline = torch_ops.pointer_view
         else:
             baseline = getattr(torch_ops, name)
         base_params = list(inspect.signature(baseline).parameters)
@@ -108,11 +108,11 @@ def test_tensor_from_ptr_base_raises_and_cpu_returns_a_view():
         DeviceOps().tensor_from_ptr(1234, (2,), torch.float32)
     assert "does not support tensor construction from raw pointers" in str(ei.value)
     src = torch.arange(12, dtype=torch.float32)
-    view = torch_ops._tensor_from_ptr(src.data_ptr(), (3, 4), torch.float32)
+    view = torch_ops.pointer_view(src.data_ptr(), (3, 4), torch.float32)
     view[1, 1] = -1.0
     assert src[5].item() == -1.0
     with pytest.raises(ValueError, match="null"):
-        torch_ops._tensor_from_ptr(0, (1,), torch.float32)
+        torch_ops.pointer_view(0, (1,), torch.float32)
 
 
 def _fake_native_module():

@@ -46,7 +46,10 @@ def _bare_round_trips(req: Any, n: int) -> list[float]:
     return out
 
 
-def _baselines(client: Any) -> dict[str, Any]:
+def measure_baselines(client: Any) -> dict[str, Any]:
+    """Reference numbers for ``lmcache bench server``: the server's no-op RPC through
+    ``client``, bare ZeroMQ REQ/REP round trips (one process and two) and 64 MiB host
+    memcpy (all threads and one), each as ``_stats`` of its timings."""
     import subprocess
 
     import torch

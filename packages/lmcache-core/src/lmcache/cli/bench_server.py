@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from lmcache.cli.bench_baselines import _baselines
+from lmcache.cli.bench_baselines import measure_baselines
 from lmcache.cli.errors import CLIError
 from lmcache.cli.report import Report, add_output_args
 
@@ -584,7 +584,7 @@ def run(args: argparse.Namespace) -> int:
                 if res.interrupted:
                     break
             if args.baselines and not (per_size and per_size[-1].interrupted):
-                baselines = _baselines(client)
+                baselines = measure_baselines(client)
         finally:
             bench.close()
     finally:

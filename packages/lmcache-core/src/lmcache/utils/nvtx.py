@@ -1,6 +1,7 @@
-"""``_lmcache_nvtx_annotate``: NVTX ranges around hot functions when CUDA profiling is possible.
+"""``lmcache_nvtx_annotate``: NVTX ranges around hot functions when CUDA profiling is possible.
 
-vLLM's in-tree LMCache connector imports this decorator from ``lmcache.utils``. Without a
+vLLM's in-tree LMCache connector imports this decorator from ``lmcache.utils`` under
+LMCache's name ``_lmcache_nvtx_annotate``. Without a
 CUDA build of torch (or without a GPU) it returns the function unchanged, so it costs nothing.
 """
 
@@ -24,7 +25,7 @@ def _nvtx_range_factory() -> Callable[[str], Any] | None:
     return None
 
 
-def _lmcache_nvtx_annotate(func: F | None = None, *, name: str | None = None) -> Any:
+def lmcache_nvtx_annotate(func: F | None = None, *, name: str | None = None) -> Any:
     """Decorate ``func`` so each call is one NVTX range named after it (or ``name``)."""
 
     def decorate(f: F) -> F:

@@ -26,6 +26,9 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from lmcache.v1.distributed.eviction_config import EVICTION_POLICIES, EvictionConfig
+from lmcache.v1.distributed.l1_mapping import PREFAULT_MODES, mapping_error
+
 if TYPE_CHECKING:
     from lmcache.v1.distributed.l2_adapters.config import L2AdaptersConfig
 
@@ -44,7 +47,6 @@ __all__ = [
 ]
 
 GiB = 1 << 30
-EVICTION_POLICIES = ("LRU", "ARC", "IsolatedLRU", "noop")
 DEFAULT_TAG = "_default"
 
 
@@ -52,28 +54,6 @@ def _default_shm_name() -> str:
     return f"lmcache_l1_pool_{os.getpid()}"
 
 
-@dataclass
-class EvictionConfig:
-    eviction_policy: str
-    trigger_watermark: float = 0.8
-    eviction_ratio: float = 0.2
-    extra_logging_enabled: bool = False
-    extra_logging_interval: float = 10.0
-
-    def __post_init__(self) -> None:
-        if self.eviction_policy not in EVICTION_POLICIES:
-            raise ValueError(
-                "eviction.eviction_policy must be 'LRU', 'ARC', 'IsolatedLRU', or 'noop', "
-                f"got {self.eviction_policy!r}"
-            )
-        for name in ("trigger_watermark", "eviction_ratio"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= v <= 1.0:
-                raise ValueError(f"{name} must be a number in [0, 1] (got {v!r})")
-
-
-#: when L1 pages are backed (see l1_memory): the whole pool at start, ahead of use, or never
-PREFAULT_MODES = ("all", "ahead", "off")
 GDS_L1_BACKENDS = ("auto", "cufile", "hipfile", "mufile", "phx", "ugds")
 
 
@@ -364,8 +344,6 @@ def check_l1_size_gb(size_gb: Any, flag: str) -> None:
     """An L1 size must be a positive, finite number of GiB this machine can map. A size
     above the memory available now only warns (at start-up): a lazy L1 commits memory as it
     fills."""
-    from lmcache.v1.distributed.l1_memory import mapping_error
-
     if not (
         isinstance(size_gb, int | float)
         and not isinstance(size_gb, bool)

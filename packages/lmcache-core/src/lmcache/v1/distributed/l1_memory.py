@@ -37,7 +37,6 @@ from __future__ import annotations
 import bisect
 import mmap
 import os
-import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -47,8 +46,14 @@ import torch
 
 from lmcache.utils import init_logger
 from lmcache.v1.distributed import page_residency
-from lmcache.v1.distributed.config import PREFAULT_MODES
 from lmcache.v1.distributed.internal_api import L1MemoryDesc
+from lmcache.v1.distributed.l1_mapping import (
+    PREFAULT_MODES,
+    map_anonymous,
+)
+from lmcache.v1.distributed.l1_mapping import (
+    mapping_error as mapping_error,  # re-exported: its importers found it here
+)
 from lmcache.v1.distributed.page_residency import lower_thread_priority, populate_write
 from lmcache.v1.memory_management import MemoryFormat, MemoryObjMetadata, TensorMemoryObj
 
@@ -75,8 +80,6 @@ PREFAULT_HEADROOM = 256 << 20
 PREFAULT_STEP = 16 << 20
 HUGEPAGE_SIZE = 2 << 20
 _MAP_HUGETLB = getattr(mmap, "MAP_HUGETLB", 0x40000)
-# Python < 3.12 does not export it; 0x4000 is the Linux value.
-_MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform == "linux" else 0)
 
 _live_shm_names: set[str] = set()
 _live_lock = threading.Lock()
@@ -204,7 +207,7 @@ class _Arena:
             self._mm = self._open_hugepages(size)
         if self._mm is None:
             try:
-                self._mm = _map_anonymous(size)
+                self._mm = map_anonymous(size)
             except OSError as exc:
                 raise MemoryError(
                     f"cannot map an L1 pool of {size / 2**30:.2f} GiB ({exc.strerror}); "
@@ -308,23 +311,6 @@ class _Arena:
             with _live_lock:
                 _live_shm_names.discard(self.shm_name)
             self._shm_path = ""
-
-
-def _map_anonymous(size: int) -> mmap.mmap:
-    # NORESERVE: a lazy L1 larger than free RAM only commits what it touches, so it must
-    # start (with a warning) instead of failing with ENOMEM.
-    return mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE)
-
-
-def mapping_error(size: int) -> str | None:
-    """Why this machine cannot map an L1 pool of ``size`` bytes (its address space or the
-    kernel's overcommit policy), or None when it can. Maps nothing for long: no page is
-    touched and the mapping is closed at once."""
-    try:
-        _map_anonymous(size).close()
-    except (OSError, OverflowError, ValueError) as exc:
-        return getattr(exc, "strerror", None) or str(exc)
-    return None
 
 
 def _available_memory_bytes() -> int | None:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from lmcache.utils import init_logger
-from lmcache.v1.distributed.config import EvictionConfig
+from lmcache.v1.distributed.eviction_config import EvictionConfig
 from lmcache.v1.distributed.l2_adapters.registry import default_l2_adapter_registry
 from lmcache.v1.errors import UnknownL2AdapterTypeError
 
@@ -221,8 +221,17 @@ def _help_example(types: list[str]) -> str:
 
 
 def add_l2_adapters_args(parser: argparse.ArgumentParser | Any) -> None:
-    """Add the repeatable ``--l2-adapter JSON`` flag (group "L2 Adapters")."""
-    types = get_registered_l2_adapter_types()
+    """Add the repeatable ``--l2-adapter JSON`` flag (group "L2 Adapters"). Its help names
+    the built-in types and the installed ``lmcache.l2_adapters`` entry points without
+    importing any plugin (``lmcache server --help`` stays fast and cannot fail on a broken
+    plugin); ``lmcache plugins`` lists every type each entry point provides."""
+    types, entry_points = default_l2_adapter_registry().names_without_plugins()
+    plugins = (
+        f"; installed plugins (entry points, each providing one or more types): "
+        f"{', '.join(entry_points)}"
+        if entry_points
+        else ""
+    )
     group = parser.add_argument_group("L2 Adapters")
     group.add_argument(
         "--l2-adapter",
@@ -232,7 +241,8 @@ def add_l2_adapters_args(parser: argparse.ArgumentParser | Any) -> None:
         dest="l2_adapter",
         help=(
             "L2 adapter as a JSON object, repeatable (cascade in argument order). "
-            f"Types: {', '.join(types) or '(none)'}. Example: '{_help_example(types)}'"
+            f"Types: {', '.join(types) or '(none)'}{plugins}. `lmcache plugins` lists every "
+            f"type. Example: '{_help_example([*types, *entry_points])}'"
         ),
     )
 

@@ -22,7 +22,10 @@ from lmcache.v1.distributed.l2_adapters.hookspecs import L2AdapterTypeSpec, hook
 from lmcache.v1.distributed.l2_adapters.native_connector_l2_adapter import (
     NativeConnectorL2Adapter,
 )
-from lmcache.v1.distributed.l2_adapters.plugin_l2_adapter import _parse_common, import_plugin_class
+from lmcache.v1.distributed.l2_adapters.plugin_l2_adapter import (
+    import_plugin_class,
+    parse_plugin_location,
+)
 
 logger = init_logger(__name__)
 
@@ -49,7 +52,7 @@ class NativePluginL2AdapterConfig(L2AdapterConfigBase):
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> NativePluginL2AdapterConfig:
-        module_path, class_name, params = _parse_common(d)
+        module_path, class_name, params = parse_plugin_location(d)
         return cls(module_path, class_name, params, cls._parse_max_capacity_gb(d))
 
     @classmethod

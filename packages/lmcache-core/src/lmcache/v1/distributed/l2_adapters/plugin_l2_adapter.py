@@ -27,10 +27,17 @@ from lmcache.v1.distributed.l2_adapters.hookspecs import L2AdapterTypeSpec, hook
 
 logger = init_logger(__name__)
 
-__all__ = ["PluginL2AdapterConfig", "create_plugin_l2_adapter", "import_plugin_class"]
+__all__ = [
+    "PluginL2AdapterConfig",
+    "create_plugin_l2_adapter",
+    "import_plugin_class",
+    "parse_plugin_location",
+]
 
 
-def _parse_common(d: dict[str, Any]) -> tuple[str, str, dict[str, Any]]:
+def parse_plugin_location(d: dict[str, Any]) -> tuple[str, str, dict[str, Any]]:
+    """``(module_path, class_name, adapter_params)`` of a ``plugin`` or ``native_plugin``
+    config dict; ``ValueError`` naming the field when one is missing or of the wrong type."""
     module_path = d.get("module_path")
     if not isinstance(module_path, str) or not module_path:
         raise ValueError("module_path must be a non-empty string")
@@ -56,7 +63,7 @@ class PluginL2AdapterConfig(L2AdapterConfigBase):
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> PluginL2AdapterConfig:
-        module_path, class_name, params = _parse_common(d)
+        module_path, class_name, params = parse_plugin_location(d)
         ccn = d.get("config_class_name")
         if ccn is not None and not isinstance(ccn, str):
             raise ValueError("config_class_name must be a string")

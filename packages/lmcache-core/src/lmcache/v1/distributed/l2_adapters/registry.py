@@ -338,6 +338,20 @@ class L2AdapterRegistry:
         with self._lock:
             return sorted([*self._configs, *self._aliases])
 
+    def names_without_plugins(self) -> tuple[list[str], list[str]]:
+        """What can be named without importing a plugin (``--help`` shows it):
+        ``(types, entry points)``. ``types`` are the built-in types and every type
+        registered so far, aliases included; ``entry points`` are the names of the group's
+        entry points not loaded yet, read from the installed metadata. One entry point may
+        provide several types (lmcache-fs's ``fs`` provides ``fs`` and ``fs_native``), which
+        only importing it tells: ``names()`` and ``lmcache plugins`` load every one."""
+        self._load_builtins()
+        with self._lock:
+            types = sorted([*self._configs, *self._aliases])
+            done = set(self._entry_points_done)
+        entry_points = [ep.name for ep in self._entry_point_list() if ep.name not in done]
+        return types, sorted(entry_points)
+
     def factory_names(self) -> list[str]:
         """Every name with a factory, sorted (loads everything)."""
         self.load_all()

@@ -24,9 +24,9 @@ from lmcache.v1.multiprocess.engine.state import (
     PendingRead,
     RequestContext,
     Reservation,
-    _object_keys,
     codec_feature,
     fan_out_keys,
+    object_key_cache,
 )
 
 __all__ = [
@@ -41,7 +41,7 @@ __all__ = [
     "PendingRead",
     "RequestContext",
     "Reservation",
-    "_object_keys",
+    "object_key_cache",
     "codec_feature",
     "fan_out_keys",
 ]

@@ -16,15 +16,15 @@ from lmcache.v1.multiprocess.engine.janitor import JanitorMixin
 from lmcache.v1.multiprocess.engine.lookup import LookupMixin
 from lmcache.v1.multiprocess.engine.read_path import ReadPathMixin
 from lmcache.v1.multiprocess.engine.state import (
-    _BOOKKEEPING_OPS,
+    BOOKKEEPING_OPS,
     ENGINE_DRIVEN,
     LMCACHE_DRIVEN,
     Instance,
     Layout,
+    Parker,
     PendingRead,
     RequestContext,
-    _dtype_name,
-    _Parker,
+    dtype_name,
 )
 from lmcache.v1.multiprocess.engine.write_path import WritePathMixin
 from lmcache.v1.multiprocess.metrics import ServerMetrics
@@ -65,7 +65,7 @@ class CacheEngine(InstancesMixin, LookupMixin, WritePathMixin, ReadPathMixin, Ja
         # The copies between L1 and the CPU KV caches of lmcache_driven workers all run on
         # this one thread (see _copy_host_kv).
         self._host_copier = ThreadPoolExecutor(1, thread_name_prefix="mp-host-copy")
-        self._parker = _Parker()
+        self._parker = Parker()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self.features = list(P.SUPPORTED_FEATURES)
@@ -98,7 +98,7 @@ class CacheEngine(InstancesMixin, LookupMixin, WritePathMixin, ReadPathMixin, Ja
         """Whether a transfer op is only bookkeeping and may run on the loop thread: the
         prepare/commit ops of a worker on the SHM path (the worker copies; the server only
         reserves, publishes or unlocks). The copy path moves payloads and stays on the pool."""
-        if op not in _BOOKKEEPING_OPS or len(args) < 2:
+        if op not in BOOKKEEPING_OPS or len(args) < 2:
             return False
         try:
             inst = self.instances.get(args[1])
@@ -185,7 +185,7 @@ class CacheEngine(InstancesMixin, LookupMixin, WritePathMixin, ReadPathMixin, Ja
             "layouts": {
                 f"{m}@{ws}": {
                     "shape": list(lay.shape),
-                    "dtype": _dtype_name(lay.dtype),
+                    "dtype": dtype_name(lay.dtype),
                     "refcount": lay.refcount,
                 }
                 for (m, ws), lay in list(self.layouts.items())

@@ -18,9 +18,9 @@ from lmcache.v1.multiprocess.engine.state import (
     Layout,
     PendingRead,
     RequestContext,
-    _close_all,
-    _dtype_from_name,
-    _dtype_name,
+    close_all,
+    dtype_name,
+    request_dtype,
 )
 from lmcache.v1.multiprocess.protocol import ErrorCode, RequestError
 
@@ -69,7 +69,7 @@ class InstancesMixin:
             raise RequestError(
                 ErrorCode.INVALID_ARGUMENT,
                 f"one chunk of this KV layout takes {nbytes} bytes (shape {list(shape)}, "
-                f"{_dtype_name(dtype)}), more than the whole L1 ({total} bytes): check the "
+                f"{dtype_name(dtype)}), more than the whole L1 ({total} bytes): check the "
                 f"registered layout, or start the server with --l1-size-gb of at least "
                 f"{-(-nbytes // (1 << 30))} (or a smaller --chunk-size)",
             )
@@ -109,7 +109,7 @@ class InstancesMixin:
         self, ctx: RequestContext, payload: P.RegisterEngineDrivenContextPayload
     ):
         self._require_mode(ENGINE_DRIVEN)
-        dtype = _dtype_from_name(payload.dtype_str)
+        dtype = request_dtype(payload.dtype_str)
         slots = payload.num_physical_slots or self.cs
         if payload.use_mla:
             shape = (payload.num_layers, slots, payload.hidden_dim_size)
@@ -132,7 +132,7 @@ class InstancesMixin:
                     "block_size": payload.block_size,
                     "use_mla": payload.use_mla,
                     "shape": list(shape),
-                    "dtype": _dtype_name(dtype),
+                    "dtype": dtype_name(dtype),
                 },
             ),
             shape,
@@ -150,7 +150,7 @@ class InstancesMixin:
             payload.model_name,
             payload.world_size,
             shape,
-            _dtype_name(dtype),
+            dtype_name(dtype),
             strategy,
         )
         return {"shm_name": self.shm_name, "pool_size": self.shm_pool_size}
@@ -190,10 +190,10 @@ class InstancesMixin:
                     "layers of different shapes need several kernel groups, which this server does not support yet",
                 )
         except RequestError:
-            _close_all(wrappers)
+            close_all(wrappers)
             raise
         except Exception as exc:
-            _close_all(wrappers)
+            close_all(wrappers)
             logger.error("register_kv_cache for instance %d failed: %s", instance_id, exc)
             raise RequestError(
                 ErrorCode.INVALID_ARGUMENT, f"cannot open the KV cache: {exc}"
@@ -203,7 +203,7 @@ class InstancesMixin:
         )
         if self.cs % geo.block_size:
             _close_cache_context(cache_context)
-            _close_all(wrappers)
+            close_all(wrappers)
             raise RequestError(
                 ErrorCode.INVALID_ARGUMENT,
                 f"chunk_size {self.cs} is not a multiple of the block size {geo.block_size}",
@@ -213,7 +213,7 @@ class InstancesMixin:
             self._check_chunk_fits(shape, geo.dtype)
         except RequestError:
             _close_cache_context(cache_context)
-            _close_all(wrappers)
+            close_all(wrappers)
             raise
         lkey = (model_name, world_size)
         self._replace_instance(
@@ -233,7 +233,7 @@ class InstancesMixin:
                     "num_layers": geo.num_layers,
                     "block_size": geo.block_size,
                     "shape": list(shape),
-                    "dtype": _dtype_name(geo.dtype),
+                    "dtype": dtype_name(geo.dtype),
                 },
             ),
             shape,
@@ -289,7 +289,7 @@ class InstancesMixin:
             except Exception:
                 pass
         inst.kv_caches = []
-        _close_all(inst.wrappers)
+        close_all(inst.wrappers)
         self._layout_release(inst.layout_key)
         logger.info("Instance %d (%s) removed: %s", instance_id, inst.mode, reason)
         return inst
@@ -362,7 +362,7 @@ def _open_cache_context(
         return cache_context
     except Exception as exc:
         _close_cache_context(cache_context)
-        _close_all(wrappers)
+        close_all(wrappers)
         code = (
             ErrorCode.NOT_SUPPORTED
             if isinstance(exc, NotImplementedError | RuntimeError)

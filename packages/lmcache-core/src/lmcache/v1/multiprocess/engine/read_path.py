@@ -17,12 +17,12 @@ from lmcache.v1.multiprocess.engine.state import (
     Instance,
     PendingRead,
     RequestContext,
-    _device,
-    _dtype_name,
-    _obj_bytes,
-    _obj_tensor,
-    _shm_slots,
     codec_feature,
+    dtype_name,
+    kv_device,
+    obj_bytes,
+    obj_tensor,
+    shm_slots,
 )
 from lmcache.v1.multiprocess.protocol import RequestError
 
@@ -64,13 +64,13 @@ class ReadPathMixin:
                 inst,
                 scatter_cpu_to_paged_kv,
                 ids,
-                [_obj_tensor(o, lay) for o in objs],
+                [obj_tensor(o, lay) for o in objs],
                 bpc,
                 skip_first_n_tokens,
                 layout_hints=inst.layout_hints,
             )
             self._count_reads(inst, key, len(keys))
-            self.metrics.inc("lmcache_mp_num_finished_retrieves", device=_device(inst))
+            self.metrics.inc("lmcache_mp_num_finished_retrieves", device=kv_device(inst))
             return (b"", True)
         except RequestError:
             raise
@@ -99,7 +99,7 @@ class ReadPathMixin:
             return {"success": False, "data": b"", "context": {}}
         self._count_reads(inst, key, len(keys))
         if inst.strategy == "shm":
-            slots = _shm_slots(objs, lay)
+            slots = shm_slots(objs, lay)
             with inst.lock:
                 inst.pending_reads[(key.request_id, key.start, key.end)] = PendingRead(
                     key, keys, time.monotonic(), self._retrieve_begin(session)
@@ -111,14 +111,14 @@ class ReadPathMixin:
             return {"success": True, "data": b"", "context": context}
         try:
             if codec_feature(ctx):
-                data = codec.encode_raw_v1([_obj_bytes(o, lay.nbytes) for o in objs])
+                data = codec.encode_raw_v1([obj_bytes(o, lay.nbytes) for o in objs])
                 context = {
                     "encoding": "raw_v1",
                     "shape": list(lay.shape),
-                    "dtype": _dtype_name(lay.dtype),
+                    "dtype": dtype_name(lay.dtype),
                 }
             else:
-                data = codec.pickle_tensors([_obj_tensor(o, lay) for o in objs])
+                data = codec.pickle_tensors([obj_tensor(o, lay) for o in objs])
                 context = {}
         finally:
             self._release_worker_shares(session, key, keys)
@@ -147,7 +147,7 @@ class ReadPathMixin:
         if inst is None or inst.mode != LMCACHE_DRIVEN:
             self.metrics.inc(submitted_metric, device="unknown")
             return None
-        self.metrics.inc(submitted_metric, device=_device(inst))
+        self.metrics.inc(submitted_metric, device=kv_device(inst))
         inst.last_seen = time.monotonic()
         return inst
 
@@ -179,7 +179,7 @@ class ReadPathMixin:
             self.metrics.observe(
                 throughput_metric,
                 nbytes / dt / 1e9,
-                device=_device(inst),
+                device=kv_device(inst),
                 engine_id=str(inst.instance_id),
                 model_name=inst.model_name,
             )

@@ -20,6 +20,7 @@ from lmcache.v1.multiprocess import protocol as P
 from lmcache.v1.multiprocess.protocol import ErrorCode, RequestError
 from lmcache.v1.multiprocess.sessions import Session
 from lmcache.v1.multiprocess.token_hasher import compute_kv_rank
+from lmcache.v1.platform.base.ipc_wrapper import dtype_name
 
 logger = init_logger(__name__)
 
@@ -32,8 +33,8 @@ L1_TAG = "_default"
 HOST_DEVICE = "cpu"
 
 
-# Engine-driven transfer ops that, on the SHM path, only touch server bookkeeping.
-_BOOKKEEPING_OPS = frozenset(
+#: Engine-driven transfer ops that, on the SHM path, only touch server bookkeeping.
+BOOKKEEPING_OPS = frozenset(
     {"prepare_store", "commit_store", "prepare_retrieve", "commit_retrieve"}
 )
 
@@ -67,7 +68,7 @@ class RequestContext:
         return True
 
 
-class _Parker:
+class Parker:
     """Timeouts of parked waits without holding a pool thread per wait."""
 
     def __init__(self) -> None:
@@ -165,7 +166,9 @@ class Instance:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
-def _dtype_from_name(name: str) -> torch.dtype:
+def request_dtype(name: str) -> torch.dtype:
+    """The torch dtype a request names (``"bfloat16"``, ``"torch.float16"``);
+    ``RequestError(INVALID_ARGUMENT)`` when it names none."""
     dt = getattr(torch, str(name).removeprefix("torch."), None)
     if not isinstance(dt, torch.dtype):
         raise RequestError(
@@ -173,10 +176,6 @@ def _dtype_from_name(name: str) -> torch.dtype:
             f"dtype_str {name!r} is not a torch dtype name; send e.g. 'bfloat16' or 'float16'",
         )
     return dt
-
-
-def _dtype_name(dt: torch.dtype) -> str:
-    return str(dt).removeprefix("torch.")
 
 
 def fan_out_keys(
@@ -191,11 +190,12 @@ def fan_out_keys(
     model, salt = key.model_name, key.cache_salt
     span = tuple(hashes[first:last])
     return [
-        list(_object_keys.row(span, model, compute_kv_rank(key.world_size, r), salt)) for r in ranks
+        list(object_key_cache.row(span, model, compute_kv_rank(key.world_size, r), salt))
+        for r in ranks
     ]
 
 
-class _ObjectKeyCache:
+class ObjectKeyCache:
     """The one ObjectKey of each recently seen (hash, model, rank, group, salt), and whole
     rows of them by (chunk hashes, model, rank, salt).
 
@@ -234,37 +234,40 @@ class _ObjectKeyCache:
         return row
 
 
-_object_keys = _ObjectKeyCache()
+#: The process's one ``ObjectKeyCache`` (``fan_out_keys`` uses it).
+object_key_cache = ObjectKeyCache()
 
 
 def codec_feature(ctx: RequestContext) -> bool:
     return P.FEATURE_RAW_PAYLOAD_V1 in ctx.features
 
 
-def _obj_bytes(obj: Any, nbytes: int) -> memoryview:
+def obj_bytes(obj: Any, nbytes: int) -> memoryview:
+    """The first ``nbytes`` bytes of an L1 object, as a flat byte view (no copy)."""
     return memoryview(obj.byte_array).cast("B")[:nbytes]
 
 
-def _obj_tensor(obj: Any, lay: Layout) -> torch.Tensor:
+def obj_tensor(obj: Any, lay: Layout) -> torch.Tensor:
     """A typed view of an L1 object in the registered chunk layout (no copy)."""
-    raw = torch.frombuffer(_obj_bytes(obj, lay.nbytes), dtype=torch.uint8)
+    raw = torch.frombuffer(obj_bytes(obj, lay.nbytes), dtype=torch.uint8)
     return raw.view(lay.dtype).view(lay.shape)
 
 
-def _shm_slots(objs: Iterable[Any], lay: Layout) -> list[dict[str, Any]]:
+def shm_slots(objs: Iterable[Any], lay: Layout) -> list[dict[str, Any]]:
     """Where each L1 object lies in the SHM pool, as an engine-driven worker maps it."""
     return [
         {
             "offset": int(o.metadata.address),
             "length": lay.nbytes,
             "shape": list(lay.shape),
-            "dtype": _dtype_name(lay.dtype),
+            "dtype": dtype_name(lay.dtype),
         }
         for o in objs
     ]
 
 
-def _close_all(wrappers: list[Any]) -> None:
+def close_all(wrappers: list[Any]) -> None:
+    """Close every IPC wrapper of a worker, ignoring the ones that fail to close."""
     for w in wrappers:
         try:
             w.close()
@@ -272,11 +275,11 @@ def _close_all(wrappers: list[Any]) -> None:
             pass
 
 
-def _device(inst: Instance) -> str:
+def kv_device(inst: Instance) -> str:
     """The device type of a worker's registered KV cache (a metric label)."""
     return inst.kv_caches[0].device.type if inst.kv_caches else HOST_DEVICE
 
 
-def _salt(keys: list[Any]) -> str:
+def keys_salt(keys: list[Any]) -> str:
     """The cache_salt of a request's keys (a metric label)."""
     return str(getattr(keys[0], "cache_salt", "") or "") if keys else ""

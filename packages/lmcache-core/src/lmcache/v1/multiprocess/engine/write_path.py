@@ -16,12 +16,12 @@ from lmcache.v1.multiprocess.engine.state import (
     Instance,
     RequestContext,
     Reservation,
-    _device,
-    _obj_bytes,
-    _obj_tensor,
-    _salt,
-    _shm_slots,
     codec_feature,
+    keys_salt,
+    kv_device,
+    obj_bytes,
+    obj_tensor,
+    shm_slots,
 )
 from lmcache.v1.multiprocess.protocol import ErrorCode, RequestError
 from lmcache.v1.multiprocess.sessions import Session
@@ -80,7 +80,7 @@ class WritePathMixin:
                 "lmcache_mp_l1_write_chunks",
                 len(res.objs) - len(bad),
                 l1_tag=L1_TAG,
-                cache_salt=_salt(res.keys),
+                cache_salt=keys_salt(res.keys),
             )
         return not bad and res.failed == 0
 
@@ -97,7 +97,7 @@ class WritePathMixin:
             self.storage.abort_write(list(stale.objs))
         lay = self.layouts[inst.layout_key]
         if inst.strategy == "shm":
-            slots = _shm_slots(res.objs.values(), lay)
+            slots = shm_slots(res.objs.values(), lay)
             return {"context": {"slots": slots, "chunk_indices": res.positions}}
         if codec_feature(ctx):
             return {"context": {"encoding": "raw_v1", "chunk_indices": res.positions}}
@@ -159,7 +159,7 @@ class WritePathMixin:
                     raise codec.PayloadError(
                         "raw_v1_length", f"chunk {i} has {len(src)} bytes, expected {lay.nbytes}"
                     )
-                _obj_bytes(obj, lay.nbytes)[:] = src
+                obj_bytes(obj, lay.nbytes)[:] = src
         except codec.PayloadError as exc:
             return self._reject(res, exc)
         return self._admit(res)
@@ -195,7 +195,7 @@ class WritePathMixin:
         try:
             if res.objs:
                 lay = self.layouts[inst.layout_key]
-                outs = [_obj_tensor(res.objs[keys[i]], lay) for i in res.positions]
+                outs = [obj_tensor(res.objs[keys[i]], lay) for i in res.positions]
                 self._timed_copy_host_kv(
                     "lmcache_mp_l0_l1_store_throughput_GB_per_second",
                     len(outs) * lay.nbytes,
@@ -212,5 +212,5 @@ class WritePathMixin:
             self.storage.abort_write(list(res.objs))
             return (b"", False)
         ok = self._admit(res)
-        self.metrics.inc("lmcache_mp_num_finished_stores", device=_device(inst))
+        self.metrics.inc("lmcache_mp_num_finished_stores", device=kv_device(inst))
         return (b"", ok)

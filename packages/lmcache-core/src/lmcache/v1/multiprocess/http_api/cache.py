@@ -10,7 +10,7 @@ from fastapi import FastAPI, HTTPException, Query
 from lmcache.utils import init_logger
 from lmcache.v1.multiprocess import http_models as M
 from lmcache.v1.multiprocess.http_api.checksums import block_checksums, compress_ranges
-from lmcache.v1.multiprocess.http_api.common import _slots
+from lmcache.v1.multiprocess.http_api.common import adapter_slots
 
 logger = init_logger(__name__)
 
@@ -209,7 +209,7 @@ def add_cache_routes(app: FastAPI, runtime: Any) -> None:
 def _resolve_adapter(runtime: Any, selector: str | None) -> Any:
     """The adapter slot a request names: 0.5.6's ``type_name``, or (ours) its index;
     none = the primary (first) adapter."""
-    slots = _slots(runtime)
+    slots = adapter_slots(runtime)
     if not slots:
         raise HTTPException(503, "no L2 adapters configured")
     if selector is None:

@@ -7,7 +7,7 @@ from typing import Any
 from fastapi import FastAPI
 
 from lmcache.v1.multiprocess import http_models as M
-from lmcache.v1.multiprocess.http_api.common import _slots
+from lmcache.v1.multiprocess.http_api.common import adapter_slots
 
 
 def add_config_routes(app: FastAPI, runtime: Any) -> None:
@@ -34,7 +34,7 @@ def add_config_routes(app: FastAPI, runtime: Any) -> None:
                     "reconfigurable": False,
                     "affinity_tag": slot.affinity_tag,
                 }
-                for i, slot in enumerate(_slots(runtime))
+                for i, slot in enumerate(adapter_slots(runtime))
             ]
         }
 

@@ -10,7 +10,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
 from lmcache.v1.multiprocess import http_models as M
-from lmcache.v1.multiprocess.http_api.common import _error
+from lmcache.v1.multiprocess.http_api.common import error_response
 
 ENGINE_TYPE = "MPCacheServer"  # what 0.5.6 reports (its engine's class name)
 
@@ -42,7 +42,7 @@ def add_info_routes(app: FastAPI, runtime: Any) -> None:
     def status() -> Any:
         sm = storage.status()
         if "error" in sm:  # the storage manager could not report (0.5.6: 503 {"error"})
-            return _error(503, f"storage status unavailable: {sm['error']}")
+            return error_response(503, f"storage status unavailable: {sm['error']}")
         return _status(runtime, sm)
 
     @app.get("/version", response_model=str)

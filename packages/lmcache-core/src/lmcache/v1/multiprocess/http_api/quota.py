@@ -8,7 +8,7 @@ from typing import Any
 from fastapi import Body, FastAPI, Request
 
 from lmcache.v1.multiprocess import http_models as M
-from lmcache.v1.multiprocess.http_api.common import _error, _slots
+from lmcache.v1.multiprocess.http_api.common import adapter_slots, error_response
 
 _GB = 1024**3
 # 0.5.6's URL stand-in for the empty (anonymous) cache_salt in /quota/{cache_salt}.
@@ -26,22 +26,22 @@ def add_quota_routes(app: FastAPI, runtime: Any) -> None:
         try:
             body = await request.json()
         except ValueError:
-            return _error(400, "invalid JSON body")
+            return error_response(400, "invalid JSON body")
         if not isinstance(body, dict) or "limit_gb" not in body:
-            return _error(400, "body must be {'limit_gb': <float>}")
+            return error_response(400, "body must be {'limit_gb': <float>}")
         try:
             limit_gb = float(body["limit_gb"])
         except (TypeError, ValueError):
-            return _error(400, "limit_gb must be numeric")
+            return error_response(400, "limit_gb must be numeric")
         if not math.isfinite(limit_gb):
-            return _error(400, "limit_gb must be finite")
+            return error_response(400, "limit_gb must be finite")
         if limit_gb < 0:
-            return _error(400, "limit_gb must be non-negative")
+            return error_response(400, "limit_gb must be non-negative")
         salt = _salt(cache_salt)
         try:
             quotas.set_quota(salt, int(limit_gb * _GB))
         except ValueError as exc:
-            return _error(400, str(exc))
+            return error_response(400, str(exc))
         return {"cache_salt": _salt_path(salt), "limit_gb": limit_gb, "status": "ok"}
 
     @app.get("/quota/{cache_salt}", response_model=M.QuotaInfo)
@@ -82,28 +82,28 @@ def add_quota_routes(app: FastAPI, runtime: Any) -> None:
     def reconfigure_status(backend: str) -> Any:
         name = backend.strip().lower()
         if not name:
-            return _error(400, "backend must be non-empty")
+            return error_response(400, "backend must be non-empty")
         return {"enabled": False, "backend": name, "num_adapters": 0, "adapters": []}
 
     @app.post("/reconfigure/{backend}/l2/{operation}", response_model=M.ErrorResponse)
     def reconfigure_backend(backend: str, operation: str, body: Any = Body(None)) -> Any:
         name = backend.strip().lower()
         if not name:
-            return _error(400, "backend must be non-empty")
-        if any(s.type_name == name for s in _slots(runtime)):
-            return _error(409, f"{name} adapters cannot be reconfigured at run time")
-        return _error(404, f"{name} adapter not found")
+            return error_response(400, "backend must be non-empty")
+        if any(s.type_name == name for s in adapter_slots(runtime)):
+            return error_response(409, f"{name} adapters cannot be reconfigured at run time")
+        return error_response(404, f"{name} adapter not found")
 
     _no_dax = "L1 is not Device-DAX backed (--l1-devdax-path not set)"
 
     @app.get("/reconfigure/dax/l1/status", response_model=M.ErrorResponse)
     def l1_dax_status() -> Any:
-        return _error(409, _no_dax)
+        return error_response(409, _no_dax)
 
     @app.post("/reconfigure/dax/l1/add", response_model=M.ErrorResponse)
     @app.post("/reconfigure/dax/l1/remove", response_model=M.ErrorResponse)
     def l1_dax_change(body: Any = Body(None)) -> Any:
-        return _error(409, _no_dax)
+        return error_response(409, _no_dax)
 
 
 def _salt(path_salt: str) -> str:

@@ -174,7 +174,7 @@ class CudaFamilyDeviceOps(DeviceViewOps):
             raise ValueError("tensor_from_ptr: ptr must be a non-zero device address")
         if device is not None and torch.device(device).type == "cpu":
             # Host address (tests, staging): the CPU backend's zero-copy view.
-            return torch_ops._tensor_from_ptr(ptr, shape, dtype, device)
+            return torch_ops.pointer_view(ptr, shape, dtype, device)
         shape = tuple(int(s) for s in shape)
         itemsize = dtype.itemsize
         typestr = _INT_BY_WIDTH.get(itemsize)

@@ -3,7 +3,8 @@
 Every public op of docs/design/platform.md#baseline-ops is importable from here and mirrored by a
 ``DeviceOps`` method of the same name and signature. Helpers for backends, not ops:
 ``host_tensor_from_ptr`` (zero-copy view of a host address), ``is_pointer_tensor`` and
-``infer_pointer_dtype`` (recognising pointer operands and their KV dtype), and
+``infer_pointer_dtype`` (recognising pointer operands and their KV dtype),
+``pointer_view`` (a view of an address through its backend's ``tensor_from_ptr``) and
 ``transfer_blocks`` (the baseline for a ``BlockTransferPlan``).
 """
 
@@ -15,7 +16,6 @@ from lmcache.v1.platform.torch_ops._block import (
 )
 from lmcache.v1.platform.torch_ops._legacy import multi_layer_kv_transfer
 from lmcache.v1.platform.torch_ops._memory import (
-    _tensor_from_ptr,
     alloc_hugepage_pinned_numa_ptr,
     alloc_hugepage_pinned_ptr,
     alloc_numa_ptr,
@@ -31,6 +31,7 @@ from lmcache.v1.platform.torch_ops._memory import (
     free_shm_pinned_ptr,
     host_tensor_from_ptr,
     lmcache_memcpy_async,
+    pointer_view,
 )
 from lmcache.v1.platform.torch_ops._misc import (
     calculate_cdf,
@@ -50,6 +51,9 @@ from lmcache.v1.platform.torch_ops._misc import (
     single_layer_kv_transfer,
     single_layer_kv_transfer_sgl,
 )
+
+#: Old name of ``pointer_view``, kept for code written against earlier releases.
+_tensor_from_ptr = pointer_view
 
 __all__ = [
     "_tensor_from_ptr",
@@ -81,6 +85,7 @@ __all__ = [
     "multi_layer_block_kv_transfer",
     "multi_layer_kv_transfer",
     "multi_layer_kv_transfer_unilateral",
+    "pointer_view",
     "record_completion_on_stream",
     "record_event_on_stream",
     "reshape_and_cache_back_flash",

@@ -33,8 +33,7 @@ from typing import Any
 
 import torch
 
-from lmcache.v1.platform.base.block_transfer import BlockTransferPlan
-from lmcache.v1.platform.base.device_ops import DeviceOps
+from lmcache.v1.platform.base.block_transfer import BlockTransferPlan, plan_block_transfer
 from lmcache.v1.platform.ops_types import (
     EngineKVFormat,
     is_cross_layer,
@@ -46,6 +45,7 @@ from lmcache.v1.platform.ops_types import (
     is_pbs_fused,
     is_single_kv,
 )
+from lmcache.v1.platform.torch_ops._memory import pointer_view
 
 F = EngineKVFormat
 
@@ -250,8 +250,6 @@ def _pointer_tensors(
     ptrs: torch.Tensor, fmt: EngineKVFormat, sd: Any, dtype: torch.dtype, device: Any
 ) -> Any:
     """Rebuild paged tensors from device addresses (docs/design/platform.md#block-transfer)."""
-    from lmcache.v1.platform.torch_ops._memory import _tensor_from_ptr
-
     if is_kv_second_tuple(fmt):
         raise ValueError(f"{fmt.name} (a tuple format) has no pointer form; pass tensors")
     nb, nl, bs, nh, hs = int(sd.nb), int(sd.nl), int(sd.bs), int(sd.nh), int(sd.hs)
@@ -302,9 +300,7 @@ def _pointer_tensors(
     addrs = [int(a) for a in ptrs.tolist()]
     if len(addrs) != len(per):
         raise ValueError(f"{fmt.name}: expected {len(per)} paged pointers, got {len(addrs)}")
-    tensors = [
-        _tensor_from_ptr(a, shape, dtype, device) for a, shape in zip(addrs, per, strict=False)
-    ]
+    tensors = [pointer_view(a, shape, dtype, device) for a, shape in zip(addrs, per, strict=False)]
     if is_cross_layer(fmt):
         return tensors[0]
     return tensors
@@ -567,11 +563,9 @@ def transfer_blocks(plan: BlockTransferPlan) -> None:
     if any(isinstance(o, int) and not isinstance(o, bool) for o in objects):
         if fmt == F.NL_X_NP_X_NB_BS_ONE_HS:
             raise ValueError(f"{fmt.name} has no pointer form for lmcache objects; pass tensors")
-        from lmcache.v1.platform.torch_ops._memory import _tensor_from_ptr
-
         shape = (layout.kv, layout.nl, plan.chunk_size, layout.width)
         objects = [
-            _tensor_from_ptr(o, shape, layout.dtype, "cpu") if isinstance(o, int) else o
+            pointer_view(o, shape, layout.dtype, "cpu") if isinstance(o, int) else o
             for o in objects
         ]
 
@@ -765,6 +759,30 @@ def _copy_runs(
                 blocks.copy_(rows)
 
 
-# The baseline op is DeviceOps' own (check the nine arguments into a plan, then
-# ``transfer_blocks``) on an instance that keeps the baseline ``transfer_blocks`` above.
-multi_layer_block_kv_transfer = DeviceOps().multi_layer_block_kv_transfer
+def multi_layer_block_kv_transfer(
+    paged_buffer_ptrs_tensor: Any,
+    lmcache_objects_ptrs: Any,
+    block_ids: Any,
+    device: Any,
+    direction: Any,
+    shape_desc: Any,
+    lmcache_chunk_size: int,
+    engine_kv_format: Any,
+    skip_prefix_n_blocks: int,
+) -> None:
+    """The torch baseline of ``DeviceOps.multi_layer_block_kv_transfer``: check the nine
+    arguments into a plan (``base.block_transfer.plan_block_transfer``), then
+    ``transfer_blocks``."""
+    transfer_blocks(
+        plan_block_transfer(
+            paged_buffer_ptrs_tensor,
+            lmcache_objects_ptrs,
+            block_ids,
+            device,
+            direction,
+            shape_desc,
+            lmcache_chunk_size,
+            engine_kv_format,
+            skip_prefix_n_blocks,
+        )
+    )

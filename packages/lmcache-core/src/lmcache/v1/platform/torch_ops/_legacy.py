@@ -13,6 +13,7 @@ import torch
 
 from lmcache.v1.platform.base.block_transfer import parse_direction
 from lmcache.v1.platform.ops_types import EngineKVFormat, TransferDirection, to_engine_kv_format
+from lmcache.v1.platform.torch_ops._memory import pointer_view
 
 F = EngineKVFormat
 _SUPPORTED = (
@@ -54,8 +55,6 @@ def _pointer_layers(
     bs: int,
     block_stride_elems: int,
 ) -> list[torch.Tensor]:
-    from lmcache.v1.platform.torch_ops._memory import _tensor_from_ptr
-
     if fmt in (F.NL_X_NB_BS_HS, F.NL_X_NBBS_ONE_HS, F.NL_X_NB_BSV_BSS):
         shape: tuple[int, ...] = (pbs, hidden)
         tight = bs * hidden
@@ -72,7 +71,7 @@ def _pointer_layers(
             f"block_stride_elems={block_stride_elems} (non-tight blocks) is not supported with "
             f"pointer operands by the torch baseline for {fmt.name}"
         )
-    return [_tensor_from_ptr(int(a), shape, dtype, device) for a in ptrs.tolist()]
+    return [pointer_view(int(a), shape, dtype, device) for a in ptrs.tolist()]
 
 
 def multi_layer_kv_transfer(

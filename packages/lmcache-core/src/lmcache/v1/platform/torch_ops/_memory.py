@@ -311,8 +311,11 @@ def host_tensor_from_ptr(ptr: int, shape: Any, dtype: torch.dtype) -> torch.Tens
     return flat.view(dtype).view(shape)
 
 
-def _tensor_from_ptr(ptr: int, shape: Any, dtype: torch.dtype, device: Any = None) -> torch.Tensor:
+def pointer_view(ptr: int, shape: Any, dtype: torch.dtype, device: Any = None) -> torch.Tensor:
+    """A non-owning tensor view of address ``ptr`` on ``device`` (CPU when None), built by
+    the ``tensor_from_ptr`` op of that device type's backend; ``ValueError`` for a null
+    address. The baseline ops use it to turn pointer operands into tensors."""
     if not ptr:
-        raise ValueError("_tensor_from_ptr: ptr is 0 (null address)")
+        raise ValueError("pointer_view: ptr is 0 (null address)")
     dev = torch.device(device if device is not None else "cpu")
     return active_platform().resolve_device_ops(dev.type).tensor_from_ptr(ptr, shape, dtype, device)
