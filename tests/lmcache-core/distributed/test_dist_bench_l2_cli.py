@@ -170,7 +170,7 @@ def test_serde_block_is_applied(monkeypatch, capsys):
         (["--l2-adapter", MOCK, "--num-keys", "0"], "--num-keys must be >= 1"),
         (
             ["--l2-adapter", MOCK[:-1] + ',"serde":{"type":"nope"}}'],
-            "--l2-adapter #1: unknown L2 serde type 'nope'. Registered serdes: identity",
+            "--l2-adapter #1: unknown L2 serde type 'nope'. Registered serdes: ",
         ),
         (["--l2-adapter", MOCK, "--flamegraph", "on"], "--flamegraph on"),
     ],
@@ -180,6 +180,16 @@ def test_bench_l2_errors_are_one_line(argv, text, capsys, monkeypatch):
     assert main(["bench", "l2", *argv]) != 0
     cap = capsys.readouterr()
     assert text in cap.err and "Traceback" not in cap.err and cap.out == ""
+
+
+def test_unknown_serde_names_every_registered_one(capsys):
+    from lmcache.v1.distributed.l2_adapters.serde_wrapper import get_registered_l2_serdes
+
+    spec = json.dumps({**json.loads(MOCK), "serde": {"type": "nope"}})
+    assert main(["bench", "l2", "--l2-adapter", spec, *SMALL]) == 2
+    err = capsys.readouterr().err
+    known = get_registered_l2_serdes()
+    assert "identity" in known and f"Registered serdes: {', '.join(known)} " in err
 
 
 def test_format_is_checked_by_argparse(capsys):
