@@ -162,6 +162,24 @@ def test_serde_block_is_applied(monkeypatch, capsys):
     assert calls == {"serialize": 4, "deserialize": 4}
 
 
+def test_failed_verification_exits_1_after_the_report(monkeypatch, capsys):
+    from lmcache.v1.distributed.l2_adapters import serde_wrapper
+
+    class Corrupting(serde_wrapper.IdentitySerde):
+        def deserialize(self, src, dst):
+            super().deserialize(src, dst)
+            dst[0] = (dst[0] + 1) % 256
+
+    monkeypatch.setitem(serde_wrapper._SERDES, "corrupting-test", Corrupting)
+    spec = json.dumps({**json.loads(MOCK), "serde": {"type": "corrupting-test"}})
+    argv = ["bench", "l2", "--l2-adapter", spec, *SMALL, "--no-skip-verify", "--format", "json"]
+    assert main(argv) == 1  # as 0.5.6: the report first, then exit 1
+    cap = capsys.readouterr()
+    res = json.loads(cap.out)["metrics"]["l2"]["adapters"][0]["results"]
+    assert res["load"]["verify_mismatched_keys"] == 4
+    assert "verify: 4 loaded keys differ" in cap.err
+
+
 @pytest.mark.parametrize(
     ("argv", "text"),
     [
