@@ -109,6 +109,13 @@ def test_default_is_0_5_6_terminal_form(capsys):
     assert lines[-1] == "=" * 64 and all(len(x) == 64 for x in lines if ":" not in x)
 
 
+def test_terminal_shows_a_baseline_section(capsys):
+    assert _bench("--baselines", "--only", "store") == 0
+    lines = capsys.readouterr().out.splitlines()
+    i = lines.index(" Baseline: page-cache write ".center(64, "-"))
+    assert lines[i + 1].startswith("Threads:") and lines[i + 2].startswith("Throughput avg (MB/s):")
+
+
 def test_quiet_prints_nothing_and_output_gets_the_format(tmp_path, capsys):
     out = tmp_path / "r.txt"
     assert _bench("-q", "--output", str(out)) == 0
