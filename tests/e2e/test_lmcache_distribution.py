@@ -234,9 +234,9 @@ L2_PLUGIN = json.dumps(
 def test_the_l2_plugin_loads_through_l2_adapter(venv, plugins_installed):
     bench = venv.lmcache(
         "bench", "l2", "--l2-adapter", L2_PLUGIN, "--num-keys", "4", "--data-size-kb", "16",
-        "--no-skip-verify", "--lookup-max-hit-rate", "1.0",
+        "--no-skip-verify", "--lookup-max-hit-rate", "1.0", "--format", "json",
     )  # fmt: skip
-    (result,) = json.loads(bench.stdout)["adapters"]
+    (result,) = json.loads(bench.stdout)["metrics"]["l2"]["adapters"]
     assert result["type"] == "plugin"
     for op in ("store", "lookup", "load"):
         assert result["results"][op]["successful_keys"] == 4, result["results"][op]

@@ -10,10 +10,11 @@ from lmcache.cli.main import main
 
 def _bench(base, capsys, *extra: str) -> dict:
     spec = json.dumps({"type": "fs_native", "base_path": str(base), "fsync": False})
-    argv = ["bench", "l2", "--l2-adapter", spec, "--num-keys", "4", "--data-size-kb", "8"]
+    argv = ["bench", "l2", "--format", "json", "--l2-adapter", spec, "--num-keys", "4"]
+    argv += ["--data-size-kb", "8"]
     argv += ["--rounds", "2", "--warmup-rounds", "1", *extra]
     assert main(argv) == 0
-    return json.loads(capsys.readouterr().out)["adapters"][0]["results"]
+    return json.loads(capsys.readouterr().out)["metrics"]["l2"]["adapters"][0]["results"]
 
 
 def test_repeated_runs_store_fresh_keys_into_one_directory(tmp_path, capsys):

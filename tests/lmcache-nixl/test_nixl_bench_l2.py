@@ -23,11 +23,13 @@ def test_bench_l2_against_posix(tmp_path, capsys):
             "file_size": str(1 << 20),
         },
     }
-    argv = ["bench", "l2", "--l2-adapter", json.dumps(spec), "--l1-align-bytes", "4096"]
+    argv = ["bench", "l2", "--format", "json", "--l2-adapter", json.dumps(spec)]
+    argv += ["--l1-align-bytes", "4096"]
     argv += ["--num-keys", "4", "--data-size-kb", "20", "--in-flight", "2", "--rounds", "2"]
     argv += ["--lookup-max-hit-rate", "1.0", "--no-skip-verify"]
     assert main(argv) == 0
-    res = json.loads(capsys.readouterr().out)["adapters"][0]["results"]  # stdout is pure JSON
+    report = json.loads(capsys.readouterr().out)  # stdout is pure JSON (0.5.6's report)
+    res = report["metrics"]["l2"]["adapters"][0]["results"]
     assert res["store"]["successful_keys"] == res["store"]["keys"] == 16
     assert res["lookup"]["successful_keys"] == 16
     assert res["load"]["successful_keys"] == 16

@@ -1,8 +1,9 @@
 """Benchmarks: kernels (copy ops), l2 (storage adapters), server (MP server), vllm (TTFT
 of a real vLLM).
 
-``lmcache bench <target>`` prints JSON results; ``lmcache bench <target> --help`` lists
-the target's flags.
+``lmcache bench kernels|vllm`` print JSON results; ``bench l2`` and ``bench server`` print
+LMCache 0.5.6's reports (``--format terminal|json``, ``--output``, ``-q``).
+``lmcache bench <target> --help`` lists the target's flags.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ BENCH_TARGETS: tuple[Subcommand, ...] = (
     Subcommand(
         "l2",
         "lmcache.cli.bench_l2",
-        "benchmark L2 adapters (store/lookup/load throughput and latency, JSON)",
+        "benchmark L2 adapters (store/lookup/load throughput and latency; 0.5.6's report)",
     ),
     Subcommand(
         "server",

@@ -1,13 +1,23 @@
-"""``lmcache bench l2``: drive one or more L2 adapters directly and print JSON results.
+"""``lmcache bench l2``: drive one or more L2 adapters directly and report the results.
 
     lmcache bench l2 --l2-adapter '{"type":"mock","max_size_gb":4,"mock_bandwidth_gb":10}' \\
-        --num-keys 32 --data-size-kb 256 --in-flight 4 --rounds 3
+        --num-keys 32 --data-size-kb 256 --in-flight 4 --rounds 3 [--format json]
 
 Each round submits ``--in-flight`` tasks of ``--num-keys`` keys at once (fresh keys per round)
 with buffers carved from one arena, waits on the adapter's event fds and records every task's
-duration. Reported per op (store, lookup, load): p50/p99 task duration, average/min/max MB/s
-over rounds, average latency per key and success counts. ``--l2-adapter`` is repeatable (each
-adapter is benchmarked on its own) and falls back to the env var ``L2_ADAPTER_JSON``.
+duration and the round's wall time. ``--l2-adapter`` is repeatable (each adapter is benchmarked
+on its own) and falls back to the env var ``L2_ADAPTER_JSON``. A ``serde`` block in the
+adapter JSON wraps the adapter in that serde, as the server's storage manager does; an
+unknown serde type is an error naming the registered ones.
+
+The report is LMCache 0.5.6's (``lmcache.cli.report``; ``--format terminal`` by default,
+``--format json``, ``--output PATH``, ``-q``): title ``L2 Adapter Benchmark Result``, a
+``config`` section and one ``op_<i>`` section per op run (store, lookup, load), with 0.5.6's
+keys and per-round figures. Adapters after the first get ``adapter_<n>_config`` /
+``adapter_<n>_op_<i>`` sections (0.5.6 benchmarks only the first). ``--format json`` also
+carries ``metrics.l2``: our full result (``{"benchmark": "l2", "config", "adapters": [...]}``,
+per adapter and op: per-task p50/p99, MB/s, latency per key, success counts, baselines,
+verification), which was this command's whole output before it took 0.5.6's report.
 
 ``--baselines`` adds ``baselines.page_cache_write``: after every store round, the same bytes are
 written into fresh files by plain threads (open, write, close; nothing else), in a scratch
@@ -21,14 +31,16 @@ import argparse
 import functools
 import hashlib
 import json
+import math
 import os
 import select
 import statistics
+import sys
 import time
 from typing import Any
 
 from lmcache.cli.errors import CLIError
-from lmcache.cli.report import add_json_output_arg, print_json_result
+from lmcache.cli.report import Report, add_output_args
 
 OPS = ("store", "lookup", "load")
 
@@ -52,7 +64,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=1,
         help="buffer alignment (4096 for O_DIRECT backends; default 1)",
     )
-    p.add_argument("--l1-use-hugepages", action="store_true", help="back the arena with hugepages")
+    p.add_argument(
+        "--l1-use-hugepages",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="back the arena with hugepages (default: off)",
+    )
     p.add_argument("--rounds", type=int, default=1, help="measured rounds (default 1)")
     p.add_argument("--warmup-rounds", type=int, default=1, help="unmeasured rounds (default 1)")
     p.add_argument(
@@ -79,7 +96,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="also measure plain threaded file writes of the same bytes (page-cache ceiling)",
     )
     p.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for one task")
-    add_json_output_arg(p)
+    p.add_argument(
+        "--flamegraph",
+        choices=("on", "off"),
+        default="off",
+        help="0.5.6's self-profiling; only 'off' is provided here (use py-spy/perf outside)",
+    )
+    for flag in ("--flamegraph-mode", "--flamegraph-output", "--flamegraph-scripts-dir"):
+        p.add_argument(flag, default="", help=argparse.SUPPRESS)  # 0.5.6's; unused while off
+    add_output_args(p)
+    p.epilog = (
+        "output: LMCache 0.5.6's report, in --format terminal (the default) or json;\n"
+        "--output PATH writes the same form to PATH, -q prints nothing (exit code only).\n"
+        "--format json has 0.5.6's keys (config, op_0, op_1, ...) and metrics.l2: this\n"
+        "command's full result (per-task latencies, every adapter, baselines, verification),\n"
+        "which it printed by default before it took 0.5.6's report."
+    )
     p.set_defaults(func=run)
 
 
@@ -270,29 +302,63 @@ def _summary(op: str, rounds: list[dict[str, Any]], num_keys: int) -> dict[str, 
     }
 
 
-def _bench_one(spec_json: str, index: int, args: argparse.Namespace) -> dict[str, Any]:
+def _wrap_with_serde(adapter: Any, serde: Any, serde_type: str, alloc: Any) -> Any:
+    """The storage manager's wrapping (``StorageManager._create_adapter``): the serde runs
+    between the adapter and an L1 manager over the bench's arena, which lends it temporaries."""
+    from lmcache.v1.distributed.config import L1ManagerConfig, L1MemoryManagerConfig
+    from lmcache.v1.distributed.l1_manager import L1Manager
+    from lmcache.v1.distributed.l2_adapters.serde_wrapper import SerdeL2AdapterWrapper
+
+    mem = L1MemoryManagerConfig(
+        size_in_bytes=alloc.size, use_lazy=False, align_bytes=alloc.align, shm_name=""
+    )
+    l1 = L1Manager(L1ManagerConfig(memory_config=mem), allocator=alloc)
+    try:
+        return SerdeL2AdapterWrapper(adapter, serde, serde_type, l1)
+    except BaseException:
+        adapter.close()
+        raise
+
+
+def _bench_one(
+    spec_json: str, index: int, args: argparse.Namespace
+) -> tuple[dict[str, Any], dict[str, list[dict[str, Any]]]]:
+    """One adapter: (its full result, the measured rounds of each op run, in run order)."""
     import torch
 
     from lmcache.v1.distributed.l1_memory import L1Allocator
     from lmcache.v1.distributed.l2_adapters.config import parse_l2_adapter_dict
     from lmcache.v1.distributed.l2_adapters.factory import create_l2_adapter_from_registry
+    from lmcache.v1.distributed.l2_adapters.serde_wrapper import create_l2_serde
 
+    serde_cfg = None
     try:
         d = json.loads(spec_json)
     except json.JSONDecodeError as exc:
         raise CLIError(f"Invalid JSON for --l2-adapter #{index}: {exc}") from exc
     try:
         cfg = parse_l2_adapter_dict(index, d)
+        serde_cfg = getattr(cfg, "serde_config", None)
+        # as the storage manager: the serde is built (and an unknown type refused) first
+        serde = create_l2_serde(serde_cfg) if serde_cfg is not None else None
     except ValueError as exc:
-        raise CLIError(str(exc)) from exc
+        raise CLIError(f"--l2-adapter #{index}: {exc}" if serde_cfg else str(exc)) from exc
     nbytes = args.data_size_kb * 1024
     align = args.l1_align_bytes
     slot = (nbytes + align - 1) // align * align
     n_bufs = 2 * args.in_flight * args.num_keys
-    alloc = L1Allocator(
-        slot * n_bufs + align, align, shm_name="", use_hugepages=args.l1_use_hugepages
-    )
-    adapter = create_l2_adapter_from_registry(cfg, alloc.memory_desc())
+    size = slot * n_bufs + align
+    if serde is not None:  # room for the wrapper's serialized temporaries of one wave
+        tmp = serde.max_serialized_size(nbytes)
+        size += 2 * args.in_flight * args.num_keys * ((tmp + align - 1) // align * align + align)
+    alloc = L1Allocator(size, align, shm_name="", use_hugepages=args.l1_use_hugepages)
+    try:
+        adapter = create_l2_adapter_from_registry(cfg, alloc.memory_desc())
+        if serde is not None:
+            adapter = _wrap_with_serde(adapter, serde, serde_cfg.type, alloc)
+    except BaseException:
+        alloc.close()
+        raise
     baseline = None
     if args.baselines:
         workers = d.get("num_workers")
@@ -323,6 +389,7 @@ def _bench_one(spec_json: str, index: int, args: argparse.Namespace) -> dict[str
         if baseline is not None:
             results["baselines"] = {"page_cache_write": baseline.summary(baseline_rounds)}
         stored_batches = stored[-args.in_flight :]
+        raw: dict[str, list[dict[str, Any]]] = {}
         for op in ("lookup", "load"):
             if op not in ops:
                 continue
@@ -332,6 +399,7 @@ def _bench_one(spec_json: str, index: int, args: argparse.Namespace) -> dict[str
                 if rnd >= args.warmup_rounds:
                     rounds.append(r)
             results[op] = _summary(op, rounds, args.num_keys)
+            raw[op] = rounds
         if "load" in ops and not args.skip_verify:
             mismatched = sum(
                 int(not torch.equal(s.tensor, d_.tensor))
@@ -339,7 +407,9 @@ def _bench_one(spec_json: str, index: int, args: argparse.Namespace) -> dict[str
                 for s, d_ in zip(sg, dg, strict=False)
             )
             results["load"]["verify_mismatched_keys"] = mismatched
-        return {"adapter": d, "type": d.get("type"), "results": results}
+        measured = {"store": store_rounds, **raw}
+        full = {"adapter": d, "type": d.get("type"), "results": results}
+        return full, {op: measured[op] for op in ops}
     finally:
         adapter.close()
         if baseline is not None:
@@ -366,7 +436,13 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError(f"--l1-align-bytes must be a power of two (got {args.l1_align_bytes})")
     if not 0.0 <= args.lookup_max_hit_rate <= 1.0:
         raise CLIError(f"--lookup-max-hit-rate must be in [0, 1] (got {args.lookup_max_hit_rate})")
-    report = {
+    if args.flamegraph == "on":
+        raise CLIError(
+            "--flamegraph on (0.5.6's self-profiling) is not provided by this lmcache; "
+            "profile the run from outside (py-spy record -- lmcache bench l2 ...)"
+        )
+    runs = [_bench_one(s, i, args) for i, s in enumerate(specs, start=1)]
+    full = {
         "benchmark": "l2",
         "config": {
             k: getattr(args, k)
@@ -383,7 +459,108 @@ def run(args: argparse.Namespace) -> int:
                 "baselines",
             )
         },
-        "adapters": [_bench_one(s, i, args) for i, s in enumerate(specs, start=1)],
+        "adapters": [r for r, _raw in runs],
     }
-    print_json_result(report, args.output)
+    report = Report(TITLE, width=64)
+    for n, (spec, (_r, raw)) in enumerate(zip(specs, runs, strict=True), start=1):
+        _add_report_sections(report, args, spec, raw, "" if n == 1 else f"adapter_{n}_", n)
+    if (args.format or "terminal") == "json":
+        sec = report.section("l2", "L2")  # ours, whole: what --format json adds to 0.5.6's
+        for key, value in full.items():
+            sec.add(key, key, value)
+    else:
+        for n, (r, _raw) in enumerate(runs, start=1):
+            pcw = r["results"].get("baselines", {}).get("page_cache_write")
+            if pcw:
+                label = "Baseline: page-cache write" + ("" if n == 1 else f" (adapter {n})")
+                sec = report.section(f"baseline_{n}", label)
+                sec.add("threads", "Threads", pcw["threads"])
+                for k in ("avg", "min", "max"):
+                    sec.add(f"{k}_mb_per_s", f"Throughput {k} (MB/s)", pcw[f"{k}_mb_per_s"])
+    report.emit(args)
+    mismatched = sum(r["results"].get("load", {}).get("verify_mismatched_keys", 0) for r, _ in runs)
+    if mismatched:  # 0.5.6: a failed round-trip check exits 1 after the report
+        print(f"verify: {mismatched} loaded keys differ from what was stored", file=sys.stderr)
+        return 1
     return 0
+
+
+TITLE = "L2 Adapter Benchmark Result"
+_MIB = 1024 * 1024
+
+
+def _nearest_rank(values: list[float], pct: float) -> float:
+    """0.5.6's percentile of round durations: nearest rank, ceil(pct/100 * N)."""
+    if not values:
+        return 0.0
+    s = sorted(values)
+    return s[min(len(s), max(1, math.ceil(pct / 100.0 * len(s)))) - 1]
+
+
+def _add_report_sections(
+    report: Report,
+    args: argparse.Namespace,
+    spec: str,
+    raw: dict[str, list[dict[str, Any]]],
+    prefix: str,
+    n: int,
+) -> None:
+    """0.5.6's ``config`` and ``op_<i>`` sections (same keys, labels and rounding) for one
+    adapter, computed from the measured rounds: a round's duration is its wall time (first
+    submit to the last completion), throughput counts every key of the round."""
+    nbytes = args.data_size_kb * 1024
+    per_round = args.in_flight * args.num_keys
+    tag = "" if n == 1 else f"Adapter {n}: "
+    cfg = report.section(f"{prefix}config", f"{tag}Configuration")
+    cfg.add("l2_adapter_json", "L2 adapter JSON", spec)
+    cfg.add("num_keys", "Keys / submit", args.num_keys)
+    cfg.add("in_flight", "In-flight / round", args.in_flight)
+    cfg.add("keys_per_round", "Keys / round", per_round)
+    cfg.add("data_size_kb", "Data size / key (KB)", args.data_size_kb)
+    cfg.add("data_per_round_mb", "Data / round (MB)", round(per_round * nbytes / _MIB, 2))
+    cfg.add("measurement_rounds", "Measurement rounds", args.rounds)
+    cfg.add("warmup_rounds", "Warmup rounds", args.warmup_rounds)
+    if args.only in (None, "lookup"):
+        cfg.add("lookup_max_hit_rate", "Lookup max hit rate", round(args.lookup_max_hit_rate, 4))
+    for i, (op, rounds) in enumerate(raw.items()):
+        name = op.capitalize()
+        durs = [r["wall"] for r in rounds]
+        ok = sum(r["ok_keys"] for r in rounds)
+        total = per_round * len(rounds)
+        moved = 0 if op == "lookup" else per_round * nbytes
+        mbps = [moved / _MIB / d for d in durs if d > 0] if moved else []
+        ops_s = [per_round / d for d in durs if d > 0]
+        avg = statistics.fmean(durs) if durs else 0.0
+        sec = report.section(f"{prefix}op_{i}", f"{tag}{name}")
+        sec.add("operation", "Operation", name)
+        sec.add("rounds", "Rounds", len(rounds))
+        sec.add("rounds_timed_out", "Rounds timed out", 0)  # a timeout fails the run here
+        sec.add("keys_per_round", "Keys / round", per_round)
+        sec.add("total_keys", "Total keys", total)
+        sec.add("total_success", "Total success", ok)
+        for key, label, value in (
+            ("avg", "avg", avg),
+            ("min", "min", min(durs, default=0.0)),
+            ("max", "max", max(durs, default=0.0)),
+            ("p50", "p50", _nearest_rank(durs, 50.0)),
+            ("p99", "p99", _nearest_rank(durs, 99.0)),
+            ("std", "std", statistics.stdev(durs) if len(durs) > 1 else 0.0),
+        ):
+            sec.add(f"duration_{key}_ms", f"Duration {label} (ms)", round(value * 1e3, 2))
+        for key, value in (
+            ("avg", statistics.fmean(mbps) if mbps else 0.0),
+            ("min", min(mbps, default=0.0)),
+            ("max", max(mbps, default=0.0)),
+        ):
+            sec.add(f"throughput_{key}_mbps", f"Throughput {key} (MB/s)", round(value, 2))
+        sec.add("ops_per_sec_avg", "Avg ops/s", round(statistics.fmean(ops_s), 2) if ops_s else 0.0)
+        sec.add("latency_per_key_ms", "Avg latency / key (ms)", round(avg / per_round * 1e3, 3))
+        if op == "lookup" and args.lookup_max_hit_rate > 0:
+            hits = int(args.lookup_max_hit_rate * args.num_keys) * args.in_flight * len(rounds)
+            sec.add(
+                "expected_max_hit_rate",
+                "Expected max hit rate",
+                round(args.lookup_max_hit_rate, 4),
+            )
+            sec.add("expected_hit_count", "Expected hit keys", hits)
+            sec.add("actual_hit_rate", "Actual hit rate", round(ok / total, 4) if total else 0.0)
