@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from lmcache.utils.lazy import lazy_attributes
 from lmcache.v1.platform.base.active import install_active_platform
 from lmcache.v1.platform.base.device_spec import DeviceSpec
 
@@ -138,10 +139,12 @@ def reset_platform_caches() -> None:
     reset_torch_ops_state()
 
 
+_exported = lazy_attributes(__name__, _EXPORTS)
+
+
 def __getattr__(name: str) -> Any:
-    target = _EXPORTS.get(name)
-    if target is not None:
-        return getattr(importlib.import_module(target[0]), target[1])
+    if name in _EXPORTS:
+        return _exported(name)
     if name == "torch_dev":
         return _detect().get_torch_device()[0]
     if name == "torch_device_type":

@@ -24,10 +24,10 @@ the device ops classes, the CPU wrappers) load on first access.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from lmcache.utils import RateLimitedLog, init_logger
+from lmcache.utils.lazy import lazy_attributes
 from lmcache.v1.platform.base.block_transfer import BlockTransferPlan, plan_block_transfer
 from lmcache.v1.platform.base.cache_context import BaseCacheContext, KernelGroup, ObjectGroup
 from lmcache.v1.platform.base.device_ops import DeviceOps, StreamWaitRecorders
@@ -132,15 +132,7 @@ __all__ = [
 # Hidden from type checkers: with a visible module __getattr__, mypy would accept any
 # misspelt name imported from this module as Any.
 if not TYPE_CHECKING:
-
-    def __getattr__(name: str) -> Any:
-        target = _LAZY.get(name)
-        if target is None:
-            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-        module = importlib.import_module(target[0])
-        value = module if target[1] is None else getattr(module, target[1])
-        globals()[name] = value  # later lookups skip __getattr__
-        return value
+    __getattr__ = lazy_attributes(__name__, _LAZY)
 
 
 def __dir__() -> list[str]:

@@ -26,11 +26,11 @@ first access.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from lmcache.lmcache_native import Bitmap
 from lmcache.utils import RateLimitedLog, init_logger
+from lmcache.utils.lazy import lazy_attributes
 from lmcache.v1.distributed.api import KeyEntry, KeyListPage, MemoryLayoutDesc, ObjectKey
 from lmcache.v1.distributed.internal_api import L1MemoryDesc, L2StoreResult
 from lmcache.v1.distributed.l2_adapters.base import AdapterUsage, L2AdapterInterface, L2TaskId
@@ -78,9 +78,12 @@ The plugin-faces test enforces it on our wheels; ``nox -s typecheck`` runs mypy 
 
 # Names whose modules import torch: resolved on first access (PEP 562) so that importing
 # this module from a hook module stays cheap.
-_LAZY: dict[str, str] = {
-    "NativeConnectorL2Adapter": "lmcache.v1.distributed.l2_adapters.native_connector_l2_adapter",
-    "MemoryObj": "lmcache.v1.memory_management",
+_LAZY: dict[str, tuple[str, str | None]] = {
+    "NativeConnectorL2Adapter": (
+        "lmcache.v1.distributed.l2_adapters.native_connector_l2_adapter",
+        "NativeConnectorL2Adapter",
+    ),
+    "MemoryObj": ("lmcache.v1.memory_management", "MemoryObj"),
 }
 
 __all__ = [
@@ -127,14 +130,7 @@ __all__ = [
 # Hidden from type checkers: with a visible module __getattr__, mypy would accept any
 # misspelt name imported from this module as Any.
 if not TYPE_CHECKING:
-
-    def __getattr__(name: str) -> Any:
-        module = _LAZY.get(name)
-        if module is None:
-            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-        value = getattr(importlib.import_module(module), name)
-        globals()[name] = value  # later lookups skip __getattr__
-        return value
+    __getattr__ = lazy_attributes(__name__, _LAZY)
 
 
 def __dir__() -> list[str]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from lmcache.utils import init_logger
+from lmcache.utils.lazy import lazy_attributes
 
 logger = init_logger(__name__)
 
@@ -87,9 +88,11 @@ def _build_lmcache_driven_context(kv_caches: Any, device_type: str, **kwargs: An
     return LMCacheDrivenTransferContext(kv_caches, wrapper_factory=factory, **kwargs)
 
 
-def __getattr__(name: str) -> Any:
-    if name in ("EngineDrivenTransferContext", "LMCacheDrivenTransferContext"):
-        from lmcache.v1.multiprocess.transfer_context import worker_transfer
-
-        return getattr(worker_transfer, name)
-    raise AttributeError(name)
+_WORKER_TRANSFER = "lmcache.v1.multiprocess.transfer_context.worker_transfer"
+__getattr__ = lazy_attributes(
+    __name__,
+    {
+        "EngineDrivenTransferContext": (_WORKER_TRANSFER, "EngineDrivenTransferContext"),
+        "LMCacheDrivenTransferContext": (_WORKER_TRANSFER, "LMCacheDrivenTransferContext"),
+    },
+)

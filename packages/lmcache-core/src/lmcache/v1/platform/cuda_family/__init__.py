@@ -7,8 +7,7 @@ import it while the registry is built); ops, IPC wrapper and cache context load 
 
 from __future__ import annotations
 
-from typing import Any
-
+from lmcache.utils.lazy import lazy_attributes
 from lmcache.v1.platform.cuda_family.spec import CudaFamilyDeviceSpec
 
 __all__ = [
@@ -18,17 +17,14 @@ __all__ = [
     "GPUCacheContext",
 ]
 
-_LAZY = {
-    "CudaFamilyDeviceOps": "lmcache.v1.platform.cuda_family.device_ops",
-    "CudaIPCWrapper": "lmcache.v1.platform.cuda_family.ipc_wrapper",
-    "GPUCacheContext": "lmcache.v1.platform.cuda_family.cache_context",
-}
-
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import importlib
-
-    return getattr(importlib.import_module(module), name)
+__getattr__ = lazy_attributes(
+    __name__,
+    {
+        "CudaFamilyDeviceOps": (
+            "lmcache.v1.platform.cuda_family.device_ops",
+            "CudaFamilyDeviceOps",
+        ),
+        "CudaIPCWrapper": ("lmcache.v1.platform.cuda_family.ipc_wrapper", "CudaIPCWrapper"),
+        "GPUCacheContext": ("lmcache.v1.platform.cuda_family.cache_context", "GPUCacheContext"),
+    },
+)

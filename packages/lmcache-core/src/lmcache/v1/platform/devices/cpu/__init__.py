@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from lmcache.utils.lazy import lazy_attributes
 from lmcache.v1.platform.base.device_spec import DeviceSpec
 from lmcache.v1.platform.transfer_mode import MPTransferMode
 
@@ -32,17 +33,14 @@ class CpuDeviceSpec(DeviceSpec):
         return 0
 
 
-def __getattr__(name: str) -> Any:
-    if name == "CpuDeviceOps":
-        from lmcache.v1.platform.devices.cpu.device_ops import CpuDeviceOps
-
-        return CpuDeviceOps
-    if name == "CpuShmTensorWrapper":
-        from lmcache.v1.platform.devices.cpu.ipc_wrapper import CpuShmTensorWrapper
-
-        return CpuShmTensorWrapper
-    if name == "CPUCacheContext":
-        from lmcache.v1.platform.devices.cpu.cache_context import CPUCacheContext
-
-        return CPUCacheContext
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_attributes(
+    __name__,
+    {
+        "CpuDeviceOps": ("lmcache.v1.platform.devices.cpu.device_ops", "CpuDeviceOps"),
+        "CpuShmTensorWrapper": (
+            "lmcache.v1.platform.devices.cpu.ipc_wrapper",
+            "CpuShmTensorWrapper",
+        ),
+        "CPUCacheContext": ("lmcache.v1.platform.devices.cpu.cache_context", "CPUCacheContext"),
+    },
+)
