@@ -1,4 +1,5 @@
-"""A real redis-server on a free loopback port, plus a minimal RESP client to inspect it."""
+"""A real redis-server on a free loopback port (or a real 3-master Redis Cluster), plus a
+minimal RESP client to inspect it."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import pytest
 pytest.importorskip("lmcache.storage.redis", reason="lmcache-redis is not installed")
 
 REDIS_SERVER = shutil.which("redis-server")
+REDIS_CLI = shutil.which("redis-cli")
 
 
 def _load_helpers() -> Any:
@@ -218,3 +220,117 @@ def redis_server_with_password(tmp_path):
     server.start()
     yield server
     server.kill()
+
+
+class RedisCluster:
+    """Three redis-server masters in cluster mode on free loopback ports, slots spread over
+    all three by ``redis-cli --cluster create``."""
+
+    def __init__(self, tmp_path: Any, masters: int = 3) -> None:
+        self.dir = tmp_path
+        self.ports: list[int] = []
+        while len(self.ports) < masters:
+            port = self._free_cluster_port()
+            taken = {q for p in self.ports for q in (p, p + 10000)}
+            if port not in taken and port + 10000 not in taken:
+                self.ports.append(port)
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self) -> None:
+        for port in self.ports:
+            args = [
+                REDIS_SERVER,
+                "--port",
+                str(port),
+                "--cluster-enabled",
+                "yes",
+                "--cluster-config-file",
+                str(self.dir / f"nodes-{port}.conf"),
+                "--dir",
+                str(self.dir),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--daemonize",
+                "no",
+                "--protected-mode",
+                "no",
+            ]
+            proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            self.procs.append(proc)
+        for port, proc in zip(self.ports, self.procs, strict=True):
+            self._wait(lambda p=port: self.ask(p, "PING") == "PONG", proc, port, "start")
+        create = subprocess.run(
+            [REDIS_CLI, "--cluster", "create", *(f"127.0.0.1:{p}" for p in self.ports)]
+            + ["--cluster-replicas", "0", "--cluster-yes"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        if create.returncode != 0:
+            raise RuntimeError(f"redis-cli --cluster create failed: {create.stdout}{create.stderr}")
+        for port, proc in zip(self.ports, self.procs, strict=True):
+            self._wait(
+                lambda p=port: b"cluster_state:ok" in self.ask(p, "CLUSTER", "INFO"),
+                proc,
+                port,
+                "reach cluster_state:ok",
+            )
+
+    @staticmethod
+    def _free_cluster_port() -> int:
+        """A free port P whose cluster bus port P + 10000 is free too (and at most 65535)."""
+        while True:
+            port = free_port()
+            if port + 10000 > 65535:
+                continue
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port + 10000))
+                except OSError:
+                    continue
+            return port
+
+    @staticmethod
+    def ask(port: int, *args: Any) -> Any:
+        """One command to the node on ``port``."""
+        r = RawRedis(port)
+        try:
+            return r.cmd(*args)
+        finally:
+            r.close()
+
+    @staticmethod
+    def _wait(cond: Any, proc: subprocess.Popen, port: int, what: str) -> None:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if cond():
+                    return
+            except (OSError, ConnectionError, RuntimeError):
+                pass
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise RuntimeError(f"cluster node on port {port} did not {what}")
+            time.sleep(0.05)
+
+    def kill(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+        for proc in self.procs:
+            proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def redis_cluster(tmp_path_factory):
+    if REDIS_SERVER is None or REDIS_CLI is None:
+        pytest.skip("redis-server / redis-cli not installed (apt-get install redis-server)")
+    cluster = RedisCluster(tmp_path_factory.mktemp("redis-cluster"))
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.kill()

@@ -22,6 +22,7 @@ from lmcache.cli.server_flags import (
     startup_warnings,
     validate_args,
 )
+from lmcache.v1.errors import LMCacheError
 
 __all__ = ["add_server_args", "build_configs", "default_shm_name", "add_arguments", "run"]
 
@@ -127,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
     http_sock = _bind_http(args.http_host, args.http_port)
     try:
         runtime = ServerRuntime.build(mp_config, storage_config)
-    except CLIError:
+    except LMCacheError:  # CLIError, or a config error whose message names the fix
         http_sock.close()
         raise
     except Exception as exc:

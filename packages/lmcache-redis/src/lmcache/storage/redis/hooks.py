@@ -17,8 +17,18 @@ def create_resp_adapter(config: RESPL2AdapterConfig, l1_memory_desc: Any = None)
         "the resp adapter needs the compiled client of lmcache-redis",
         "reinstall it with `pip install lmcache-redis`",
     )
+    from lmcache.storage.redis.probe import refuse_cluster
     from lmcache.v1.distributed.l2_adapters.api import NativeConnectorL2Adapter
 
+    # A Redis Cluster node would silently lose the keys other nodes own: refuse it now.
+    refuse_cluster(
+        config.host,
+        config.port,
+        config.username,
+        config.password,
+        config.db,
+        config.socket_timeout_s,
+    )
     client = native.LMCacheRedisClient(
         config.host,
         config.port,

@@ -5,7 +5,8 @@ A storage wheel (``lmcache-fs``, a vendor's L2 plugin) imports from core only:
 - this module, which re-exports every name below: the adapter contract, the pluggy
   ``hookimpl`` marker and ``L2AdapterTypeSpec``, the key codec (the byte-exact L2 names),
   the native-connector bridge, the completion/lock/health helpers adapters are built from,
-  ``Bitmap`` and the logging helpers;
+  ``Bitmap``, ``LMCacheConfigError`` (a bad configuration found while creating an adapter)
+  and the logging helpers;
 - the LMCache 0.5.6 paths the L2 plugin guide documents, listed in :data:`FACE_MODULES`
   (``lmcache.v1.distributed.l2_adapters.base.L2AdapterInterface``, ``...l2_adapters.config``,
   ``lmcache.v1.distributed.api.ObjectKey``).
@@ -54,6 +55,7 @@ from lmcache.v1.distributed.l2_adapters.utils import (
     fsync_dir,
     record_unknown_keys,
 )
+from lmcache.v1.errors import LMCacheConfigError
 from lmcache.v1.platform.event_notifier import EventNotifier, create_event_notifier
 
 if TYPE_CHECKING:
@@ -121,6 +123,8 @@ __all__ = [
     "create_event_notifier",
     "fsync_dir",
     "record_unknown_keys",
+    # errors (the lmcache CLI prints their message as one line, without a traceback)
+    "LMCacheConfigError",
     # logging (the same helpers the device API re-exports)
     "RateLimitedLog",
     "init_logger",
