@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import lmcache_namespace_guard
 
-GUARD_SRC = Path(lmcache_namespace_guard.__file__).parent
+GUARD_FILE = Path(lmcache_namespace_guard.__file__)
 
 REPORT = r"""
 import json, lmcache_namespace_guard as g
@@ -46,8 +47,15 @@ def _ours(site: Path, core_files: list[str] | None = None) -> None:
     _dist(site, "lmcache", "0.5.6.1", [], ["lmcache-core==0.5.6.1", "lmcache-fs==0.5.6.1"])
 
 
+def _guard_path(site: Path) -> str:
+    """PYTHONPATH: the synthetic site, holding a copy of the guard module (its installed folder
+    may be site-packages, whose distributions must stay out of sight)."""
+    shutil.copy(GUARD_FILE, site / GUARD_FILE.name)
+    return str(site)
+
+
 def _report(site: Path) -> dict:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(GUARD_SRC)])}
+    env = {**os.environ, "PYTHONPATH": _guard_path(site)}
     out = subprocess.run(
         [sys.executable, "-S", "-c", REPORT], capture_output=True, text=True, env=env, check=True
     )
@@ -111,7 +119,7 @@ def test_an_init_nobody_claims_and_files_of_core_that_are_gone(tmp_path):
 def test_the_cli_stops_with_the_report_before_running_a_command(tmp_path):
     _ours(tmp_path)
     (tmp_path / "lmcache" / "__init__.py").write_text("")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(GUARD_SRC)])}
+    env = {**os.environ, "PYTHONPATH": _guard_path(tmp_path)}
     out = subprocess.run(
         [sys.executable, "-S", "-c", "import lmcache_namespace_guard as g; g.main()", "plugins"],
         capture_output=True,

@@ -342,16 +342,20 @@ def extra_device_specs(*specs: Any) -> Iterator[Any]:
 
 
 def check_device_wheel_contract(distribution: str, spec: Any) -> None:
-    """A device wheel depends on ``lmcache-core`` and on torch only as a range (never a
-    pin), and its spec states its capability explicitly (no reliance on the base-class
-    bridge): either it declares ``lmcache_driven = True/False``, or it overrides both
-    capability flags and the default transfer mode."""
+    """A device wheel depends on ``lmcache-core`` within the device plugin API's range
+    (``>=PLUGIN_API_VERSION,<0.6``) and on torch only as a range (never a pin), and its spec
+    states its capability explicitly (no reliance on the base-class bridge): either it
+    declares ``lmcache_driven = True/False``, or it overrides both capability flags and the
+    default transfer mode."""
     import importlib.metadata as md
 
+    from lmcache.v1.platform.api import PLUGIN_API_VERSION
     from lmcache.v1.platform.base.device_spec import overrides
 
     requires = md.requires(distribution) or []
-    assert any(r.split(";")[0].strip() == "lmcache-core" for r in requires), requires
+    core = [r.split(";")[0].replace(" ", "") for r in requires if r.startswith("lmcache-core")]
+    assert len(core) == 1, requires
+    assert f">={PLUGIN_API_VERSION}" in core[0] and "<0.6" in core[0], requires
     torch_reqs = [r for r in requires if r.startswith("torch")]
     assert torch_reqs and all("==" not in r for r in torch_reqs), torch_reqs
     if type(spec).lmcache_driven is not None:
