@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -36,13 +35,8 @@ import time
 from collections.abc import Iterator
 
 import pytest
+from testsupport.ports import free_port
 from testsupport.waiting import eventually
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture

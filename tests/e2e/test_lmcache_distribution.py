@@ -24,7 +24,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -32,6 +31,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from testsupport.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 PACKAGES = REPO / "packages"
@@ -258,12 +258,6 @@ def test_the_l2_plugin_loads_through_l2_adapter(venv, plugins_installed):
         server.terminate()
         server.wait(30)
     assert "L2 adapter #0 created: plugin" in log.read_text()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait_status(url: str, proc: subprocess.Popen, log: Path) -> dict:

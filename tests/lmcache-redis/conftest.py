@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from testsupport.ports import free_port
 
 pytest.importorskip("lmcache.storage.redis", reason="lmcache-redis is not installed")
 
@@ -43,12 +44,6 @@ def adapters():
     yield made
     for a in made:
         a.close()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class RawRedis:

@@ -11,7 +11,7 @@ import importlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
-__all__ = ["lazy_attributes"]
+__all__ = ["lazy_attributes", "lazy_dir"]
 
 
 def lazy_attributes(
@@ -30,3 +30,13 @@ def lazy_attributes(
         return module if target[1] is None else getattr(module, target[1])
 
     return __getattr__
+
+
+def lazy_dir(namespace: Mapping[str, Any], table: Mapping[str, Any]) -> Callable[[], list[str]]:
+    """A module ``__dir__`` that lists the lazy names of ``table`` beside the module's own
+    ``namespace`` (its ``globals()``)."""
+
+    def __dir__() -> list[str]:
+        return sorted(set(namespace) | set(table))
+
+    return __dir__

@@ -27,7 +27,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from lmcache.utils import RateLimitedLog, init_logger
-from lmcache.utils.lazy import lazy_attributes
+from lmcache.utils.lazy import lazy_attributes, lazy_dir
 from lmcache.v1.platform.base.block_transfer import BlockTransferPlan, plan_block_transfer
 from lmcache.v1.platform.base.cache_context import BaseCacheContext, KernelGroup, ObjectGroup
 from lmcache.v1.platform.base.device_ops import DeviceOps, StreamWaitRecorders
@@ -135,5 +135,4 @@ if not TYPE_CHECKING:
     __getattr__ = lazy_attributes(__name__, _LAZY)
 
 
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__dir__ = lazy_dir(globals(), _LAZY)

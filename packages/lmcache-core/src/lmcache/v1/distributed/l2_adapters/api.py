@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 
 from lmcache.lmcache_native import Bitmap
 from lmcache.utils import RateLimitedLog, init_logger
-from lmcache.utils.lazy import lazy_attributes
+from lmcache.utils.lazy import lazy_attributes, lazy_dir
 from lmcache.v1.distributed.api import KeyEntry, KeyListPage, MemoryLayoutDesc, ObjectKey
 from lmcache.v1.distributed.internal_api import L1MemoryDesc, L2StoreResult
 from lmcache.v1.distributed.l2_adapters.base import AdapterUsage, L2AdapterInterface, L2TaskId
@@ -137,5 +137,4 @@ if not TYPE_CHECKING:
     __getattr__ = lazy_attributes(__name__, _LAZY)
 
 
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__dir__ = lazy_dir(globals(), _LAZY)
