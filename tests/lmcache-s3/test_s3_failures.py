@@ -9,6 +9,7 @@ import socket
 import threading
 
 import pytest
+from testsupport.ports import free_port
 
 from lmcache.storage.s3.breaker import CLOSED, HALF_OPEN, MAX_OPEN_SECONDS, OPEN, CircuitBreaker
 
@@ -57,12 +58,6 @@ def test_breaker_probes_once_after_the_delay_and_reopens_with_a_doubled_delay():
     assert b.snapshot()["reopen_in_s"] == 30.0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _spec(port: int, **extra):
     return {
         "s3_endpoint": f"http://127.0.0.1:{port}",
@@ -79,7 +74,7 @@ def _spec(port: int, **extra):
 def test_breaker_opens_after_three_refused_connections_and_closes_after_a_probe(
     h, adapters, start_moto
 ):
-    port = _free_port()  # nothing listens here yet: connections are refused
+    port = free_port()  # nothing listens here yet: connections are refused
     a = h.build("s3", **_spec(port, s3_circuit_reset_seconds=0.5))
     adapters.append(a)
     keys = [h.key(i) for i in range(3)]

@@ -12,12 +12,12 @@ import argparse
 import hashlib
 import itertools
 import json
-import socket
 
 import httpx
 import pytest
 import torch
 from starlette.testclient import TestClient
+from testsupport.ports import free_port
 from testsupport.waiting import wait_result
 
 from lmcache.v1.multiprocess import http_models as M
@@ -39,12 +39,6 @@ CHUNK = 256  # the server's default chunk size
 BLOCK = 16  # tokens per block of the test KV caches
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def runtime():
     from lmcache.cli.server import add_server_args, build_configs
@@ -57,7 +51,7 @@ def runtime():
             "--host",
             "127.0.0.1",
             "--port",
-            str(_free_port()),
+            str(free_port()),
             "--l1-size-gb",
             "0.25",
             "--worker-reap-timeout-seconds",

@@ -7,12 +7,12 @@ from __future__ import annotations
 import argparse
 import itertools
 import logging
-import socket
 import threading
 import types
 
 import pytest
 import torch
+from testsupport.ports import free_port
 
 from lmcache.v1.multiprocess import protocol as P
 from lmcache.v1.multiprocess.client import MPClient
@@ -27,12 +27,6 @@ from lmcache.v1.platform.testing import extra_device_specs
 _ids = itertools.count(91000)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server():
     from lmcache.cli.server import add_server_args, build_configs
@@ -45,7 +39,7 @@ def server():
             "--host",
             "127.0.0.1",
             "--port",
-            str(_free_port()),
+            str(free_port()),
             "--l1-size-gb",
             "0.25",
             "--worker-reap-timeout-seconds",
@@ -128,7 +122,7 @@ def _cpu_kv():
 )
 def test_register_without_event_ipc_fails_before_sending(backend, message):
     # Nobody listens on this port: any request would time out instead of this error.
-    dead = MPClient(f"tcp://127.0.0.1:{_free_port()}", default_timeout=2)
+    dead = MPClient(f"tcp://127.0.0.1:{free_port()}", default_timeout=2)
     try:
         with extra_device_specs(_MetaAccel(backend)):
             ctx = LMCacheDrivenTransferContext(
