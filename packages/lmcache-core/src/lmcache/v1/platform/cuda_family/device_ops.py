@@ -154,8 +154,10 @@ class CudaFamilyDeviceOps(DeviceViewOps):
             )
             return
         self.bind_native(module)
-        self.kv_transfer_operands = "pointer"
-        self.max_objects_per_call = getattr(module, "MAX_OBJECTS_PER_CALL", 4)
+        # The contract declares these per class (ClassVar: what plugins set); this ops object
+        # switches to pointer operands only once its native kernels are bound, per instance.
+        self.kv_transfer_operands = "pointer"  # type: ignore[misc]
+        self.max_objects_per_call = getattr(module, "MAX_OBJECTS_PER_CALL", 4)  # type: ignore[misc]
 
     # ---- raw pointers ------------------------------------------------------------------
     def tensor_from_ptr(
