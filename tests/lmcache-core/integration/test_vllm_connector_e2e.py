@@ -332,7 +332,7 @@ def test_lmcache_driven_mode_on_cpu_shm(server, engines, layout):
     extra = {"lmcache.mp.mp_transfer_mode": "lmcache_driven"}
     store_prompt(engines, prompt, extra=extra, kv_layout=layout)
     warm = engines(extra=extra, kv_layout=layout)
-    assert warm.workers[0].worker_adapter.ctx.mode == "lmcache_driven"
+    assert warm.workers[0].worker_adapter.transfer.mode == "lmcache_driven"
     warm.add_request("l", prompt)
     warm.run()
     assert warm.loaded_ok["l"] == 512
@@ -443,7 +443,7 @@ def test_server_restart_degrades_then_reregisters(lmcache_server, engines, shm):
     srv = lmcache_server(*args)
     extra = {"lmcache.mp.heartbeat_interval": "0.5", "lmcache.mp.mq_timeout": "5"}
     e = engines(port=srv.port, extra=extra)
-    assert e.workers[0].worker_adapter.ctx.mode == ("SHM" if shm else "raw_v1")
+    assert e.workers[0].worker_adapter.transfer.mode == ("SHM" if shm else "raw_v1")
     prompt = tokens(600, seed=40)
     e.add_request("before", prompt)
     e.run()
@@ -469,7 +469,7 @@ def test_server_restart_degrades_then_reregisters(lmcache_server, engines, shm):
             status.get("registered_gpu_ids") or []
         )
         assert set(ids) <= {int(i) for i in registered}  # the same instance_id re-registered
-        assert e.workers[0].worker_adapter.ctx.mode == ("SHM" if shm else "raw_v1")
+        assert e.workers[0].worker_adapter.transfer.mode == ("SHM" if shm else "raw_v1")
         e.add_request("after1", prompt)
         e.run()
         assert e.match_results["after1"][-1] == (0, False)  # the restarted L1 is empty
@@ -515,7 +515,7 @@ def test_engine_driven_through_the_server_shm_pool_with_hnd_layout(lmcache_serve
     prompt = tokens(600, seed=50)
     store_prompt(engines, prompt, port=srv.port, kv_layout="HND")
     warm = engines(port=srv.port, kv_layout="HND")
-    assert warm.workers[0].worker_adapter.ctx.mode == "SHM"
+    assert warm.workers[0].worker_adapter.transfer.mode == "SHM"
     warm.add_request("s", prompt)
     warm.run()
     assert warm.loaded_ok["s"] == 512
@@ -549,15 +549,15 @@ def test_nothing_computed_on_a_failed_sync_load_is_stored(server, engines):
     prompt = tokens(900, seed=53)
     store_prompt(engines, prompt[:600])  # chunks [0, 512) cached
     e = engines()
-    ctx = e.workers[0].worker_adapter.ctx
+    transfer = e.workers[0].worker_adapter.transfer
     submitted: list[tuple[int, int]] = []
-    real_submit = ctx.submit_store
+    real_submit = transfer.submit_store
 
     def submit_store(key, block_ids):
         submitted.append((key.start, key.end))
         return real_submit(key, block_ids)
 
-    ctx.submit_store = submit_store
+    transfer.submit_store = submit_store
     req = e.add_request("g", prompt)
     assert wait_until(lambda: e.scheduler.get_num_new_matched_tokens(req, 0)[0] is not None)
     r = httpx.post(server.http_url + "/cache/clear", json={"tier": "l1", "force": True}, timeout=10)
@@ -634,7 +634,7 @@ def test_end_session_waits_for_the_requests_stores(lmcache_server, engines):
 
     srv = lmcache_server()
     e = engines(port=srv.port)
-    transfer = e.workers[0].worker_adapter.ctx
+    transfer = e.workers[0].worker_adapter.transfer
     gate = threading.Event()
     transfer._executor.submit(gate.wait, 30)  # the worker's transfers queue up behind this
     e.add_request("quick", tokens(600, seed=65), max_new_tokens=1)

@@ -146,7 +146,7 @@ def test_tensor_mode_backend_gets_one_call_with_tensors(monkeypatch):
 
 
 def test_router_logs_the_capability_disagreement(caplog):
-    from lmcache.v1.multiprocess import transfer_context as tc
+    from lmcache.v1.multiprocess.transfer_context import worker_transfer
     from lmcache.v1.platform.base.device_spec import DeviceSpec
 
     class Disagreeing(DeviceSpec):
@@ -162,5 +162,5 @@ def test_router_logs_the_capability_disagreement(caplog):
         mp.setattr(platform, "get_device_spec", lambda device_type: Disagreeing())
         mp.setattr(platform, "resolve_kv_wrapper_factory", lambda device_type: object())
         with pytest.raises(ValueError, match="not available"):
-            tc._build_lmcache_driven_context([torch.zeros(1)], "fakedev")
+            worker_transfer._build_lmcache_driven_context([torch.zeros(1)], "fakedev")
     assert "disagrees with" in caplog.text

@@ -16,11 +16,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from lmcache.utils import init_logger
+from lmcache.v1.multiprocess.transfer_mode import MP_TRANSFER_MODE_ENV_VAR
 
 logger = init_logger(__name__)
 
 PREFIX = "lmcache.mp."
-TRANSFER_MODE_ENV = "LMCACHE_MP_TRANSFER_MODE"
 VALID_TRANSFER_MODES = ("auto", "engine_driven", "lmcache_driven")
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -170,7 +170,7 @@ class MPConnectorConfig:
         """The mode this worker asks for: key, else env var, else ``auto``."""
         if self.mp_transfer_mode is not None:
             return self.mp_transfer_mode
-        env = os.environ.get(TRANSFER_MODE_ENV)
+        env = os.environ.get(MP_TRANSFER_MODE_ENV_VAR)
         return _mode("mp_transfer_mode", env) if env else "auto"
 
 
@@ -207,14 +207,14 @@ def parse_extra_config(extra: Mapping[str, Any] | None) -> MPConnectorConfig:
             PREFIX,
             values["hash_algorithm"],
         )
-    env = os.environ.get(TRANSFER_MODE_ENV)
+    env = os.environ.get(MP_TRANSFER_MODE_ENV_VAR)
     if values["mp_transfer_mode"] is not None and env:
         if env.strip().lower() != values["mp_transfer_mode"]:
             logger.warning(
                 "%smp_transfer_mode=%s overrides %s=%s",
                 PREFIX,
                 values["mp_transfer_mode"],
-                TRANSFER_MODE_ENV,
+                MP_TRANSFER_MODE_ENV_VAR,
                 env,
             )
     elif env:

@@ -3,8 +3,9 @@
 One adapter per vLLM worker process. It registers the worker's paged KV cache
 with the server under a random 63-bit ``instance_id`` (drawn from uuid4, never
 the PID, so a restarted worker is a new instance), then runs the ops the
-scheduler put in the step's metadata through the transfer context built by
-``lmcache.v1.multiprocess.transfer_context.create_transfer_context``:
+scheduler put in the step's metadata through its :class:`TransferRunner`
+(``transfer_runner``), which it builds from the server link, the KV caches and a
+:class:`TransferRunnerSpec` once vLLM registers the caches:
 
 * RETRIEVE ops in ``start_load``: finished before it returns (synchronous loads,
   the default), or in the background with completion reported in ``finished_recving``
@@ -32,7 +33,7 @@ from lmcache.integration.vllm.mp_ops import LMCacheMPRequestMetadata
 from lmcache.integration.vllm.parallel_strategy import ParallelStrategy
 from lmcache.integration.vllm.scheduler_adapter import check_chunk_size
 from lmcache.integration.vllm.server_link import ServerLink
-from lmcache.integration.vllm.transfer import DoneFuture, WorkerTransfer
+from lmcache.integration.vllm.transfer_runner import DoneFuture, TransferRunner, TransferRunnerSpec
 from lmcache.integration.vllm.vllm_base import KVConnectorTransferResults
 from lmcache.utils import init_logger
 from lmcache.v1.multiprocess.protocol import IPCCacheServerKey
@@ -98,7 +99,7 @@ class LMCacheMPWorkerAdapter:
             on_unhealthy=None,
         )
         self.chunk_size = self.link.chunk_size
-        self.ctx: Any = None
+        self.transfer: TransferRunner | None = None
         # vLLM's paged layout inside a block: "NHD" (default) or "HND"; the connector sets it.
         self.kv_layout = "NHD"
         self.kv_caches: dict[str, Any] = {}
@@ -115,7 +116,7 @@ class LMCacheMPWorkerAdapter:
     # -- registration ---------------------------------------------------------------
     @property
     def healthy(self) -> bool:
-        return self.link.healthy and self.ctx is not None
+        return self.link.healthy and self.transfer is not None
 
     def _derive_groups(self, layer_names: list[str]) -> list[KVGroup]:
         groups = getattr(self.kv_cache_config, "kv_cache_groups", None) or []
@@ -166,15 +167,27 @@ class LMCacheMPWorkerAdapter:
         check_chunk_size(
             self.chunk_size, self.vllm_block_size, [g.tokens_per_block for g in self.groups]
         )
-        self.ctx = WorkerTransfer(self)
+        self.transfer = TransferRunner(self.link, self.kv_caches, self.transfer_spec())
         self.link.start_heartbeat()
+
+    def transfer_spec(self) -> TransferRunnerSpec:
+        """What the transfer runner registers: this worker's ids, KV geometry and settings."""
+        return TransferRunnerSpec(
+            instance_id=self.instance_id,
+            model_name=self.model_name,
+            kv_world_size=self.strategy.kv_world_size,
+            engine_group_infos=tuple(self.engine_group_infos()),
+            layout_hints=self.layout_hints(),
+            mode=self.config.mp_transfer_mode,
+            mq_timeout=self.config.mq_timeout,
+        )
 
     def _reregister(self) -> None:
         """After a server restart: same instance_id, fresh mappings (run by the heartbeat)."""
-        if self.ctx is None:
+        if self.transfer is None:
             return
         self._drain_for_restart()
-        self.ctx.reregister()
+        self.transfer.reregister()
         logger.info("worker instance %d re-registered with %s", self.instance_id, self.link.url)
 
     def _drain_for_restart(self) -> None:
@@ -225,10 +238,11 @@ class LMCacheMPWorkerAdapter:
                 io.retrieves.append(_Pending(fut, meta.op.all_block_ids(), time.monotonic()))
 
     def _submit_retrieve(self, meta: LMCacheMPRequestMetadata, healthy: bool, inline: bool) -> Any:
-        if not healthy:
+        transfer = self.transfer  # None once shut down
+        if not healthy or transfer is None:
             return DoneFuture(False)
         try:
-            return self.ctx.submit_retrieve(
+            return transfer.submit_retrieve(
                 self.key_for(meta), meta.op.block_ids, meta.op.skip_first_n_tokens, inline=inline
             )
         except Exception as exc:
@@ -270,16 +284,17 @@ class LMCacheMPWorkerAdapter:
             return
         writer = self.strategy.is_kv_writer
         healthy = self.healthy
+        transfer = self.transfer  # None once shut down
         with self._lock:
             for meta in stores:
                 io = self._io_for(meta.request_id)
                 io.had_store_op = True
-                if not writer or not healthy:
+                if not writer or not healthy or transfer is None:
                     continue  # MLA non-writer, or degraded: nothing to wait for
                 if meta.request_id in sync_failed:
                     continue  # computed on top of a failed load this step: not stored
                 try:
-                    fut = self.ctx.submit_store(self.key_for(meta), meta.op.block_ids)
+                    fut = transfer.submit_store(self.key_for(meta), meta.op.block_ids)
                 except Exception as exc:
                     logger.warning("store of %s failed to start: %s", meta.request_id, exc)
                     continue
@@ -294,8 +309,8 @@ class LMCacheMPWorkerAdapter:
             if not self.healthy:
                 break
             p.future.wait(max(0.0, deadline - time.monotonic()))
-        if self.ctx is not None:
-            self.ctx.flush()
+        if self.transfer is not None:
+            self.transfer.flush()
 
     # -- completion --------------------------------------------------------------------------
     def _poll(self) -> tuple[set[str], set[str]]:
@@ -389,10 +404,10 @@ class LMCacheMPWorkerAdapter:
 
     def shutdown(self) -> None:
         self.link.stop_heartbeat()  # no re-registration after this point
-        ctx, self.ctx = self.ctx, None
-        if ctx is not None:
+        transfer, self.transfer = self.transfer, None
+        if transfer is not None:
             try:
-                ctx.close(
+                transfer.close(
                     timeout=min(UNREGISTER_TIMEOUT_S, self.config.mq_timeout),
                     # vLLM's offline API shuts down right after its last output: let the
                     # stores of that last step land instead of dropping them

@@ -1,7 +1,8 @@
-"""Worker-side transfer contexts (docs/design/platform.md#transfer-router,
-docs/design/protocol.md#transfer-paths).
+"""The worker's transfer contexts and the router that picks one
+(docs/design/platform.md#transfer-router, docs/design/protocol.md#transfer-paths).
 
-Both contexts share one surface, used by the vLLM connector and the benchmarks::
+Both contexts share one surface (``TransferContext``), used by the vLLM connector and the
+benchmarks::
 
     ctx = create_transfer_context(kv_caches, instance_id=iid, req_client=client)
     ctx.register(model_name, world_size)           # op 1 or op 14, then negotiation
@@ -12,6 +13,12 @@ Both contexts share one surface, used by the vLLM connector and the benchmarks::
 ``kv_caches``: per-layer tensors (a list, or vLLM's ``{layer_name: tensor}`` dict).
 ``block_ids``: the flat block list covering ``[key.start, key.end)`` (or ``[[...]]``).
 ``ctx.mode`` is ``"SHM"``, ``"pickle"``, ``"raw_v1"`` or ``"lmcache_driven"``.
+
+``create_transfer_context(kv_caches, *, instance_id, req_client, mode=None, **kw)`` resolves
+``mode`` (explicit, else ``ENV_MP_TRANSFER_MODE``, else AUTO, which follows the device spec's
+``default_mp_transfer_mode()``) and builds ``LMCacheDrivenTransferContext`` (the server copies
+from/to the worker's KV memory) or ``EngineDrivenTransferContext`` (the worker copies to/from
+host chunks the server hands out). The copy functions live in ``transfer_context.base``.
 """
 
 from __future__ import annotations
@@ -39,8 +46,29 @@ from lmcache.v1.multiprocess.transfer_context.base import (
     scatter_cpu_to_paged_kv,
 )
 from lmcache.v1.platform import resolve_device_ops
+from lmcache.v1.platform.base.device_spec import (
+    effective_default_mode,
+    effective_lmcache_driven_available,
+)
+from lmcache.v1.platform.transfer_mode import (
+    MP_TRANSFER_MODE_ENV_VAR,
+    MPTransferMode,
+    resolve_mp_transfer_mode,
+)
 
 logger = init_logger(__name__)
+
+# 0.5.6's name for the variable that picks the mode when the caller gives none.
+ENV_MP_TRANSFER_MODE = MP_TRANSFER_MODE_ENV_VAR
+
+__all__ = [
+    "ENV_MP_TRANSFER_MODE",
+    "EngineDrivenTransferContext",
+    "LMCacheDrivenTransferContext",
+    "MPTransferMode",
+    "TransferContext",
+    "create_transfer_context",
+]
 
 _lease_clock = time.monotonic  # what a retrieve's copy is timed with against the server's lease
 _MAP_REGION = 2 << 20  # granule in which the SHM pool is mapped into a worker before a copy
@@ -69,7 +97,9 @@ def _flat_ids(block_ids: Any) -> list[int]:
     return [int(b) for b in ids]
 
 
-class _BaseContext:
+class TransferContext:
+    """What both contexts share: the KV tensors, their geometry, the registration handshake."""
+
     mode = ""
 
     def __init__(
@@ -114,8 +144,26 @@ class _BaseContext:
     def flush_inflight_stores(self) -> None:
         return None
 
+    # The surface each context implements (see the module docstring).
+    def register(self, model_name: str, world_size: int, engine_group_infos: Any = None) -> None:
+        raise NotImplementedError
 
-class EngineDrivenTransferContext(_BaseContext):
+    def submit_store(self, key: P.IPCCacheServerKey, block_ids: Any) -> MPFuture:
+        raise NotImplementedError
+
+    def submit_retrieve(
+        self, key: P.IPCCacheServerKey, block_ids: Any, skip_first_n_tokens: int = 0
+    ) -> MPFuture:
+        raise NotImplementedError
+
+    def unregister(self, timeout: float = 5.0) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+
+class EngineDrivenTransferContext(TransferContext):
     """The worker copies its paged KV to/from host chunks the server manages (op 14-19)."""
 
     def __init__(self, kv_caches: Any, **kwargs: Any) -> None:
@@ -433,7 +481,7 @@ class EngineDrivenTransferContext(_BaseContext):
         self._detach()
 
 
-class LMCacheDrivenTransferContext(_BaseContext):
+class LMCacheDrivenTransferContext(TransferContext):
     """The server copies from/to this worker's KV memory, mapped through IPC wrappers (op 1, 6, 7)."""
 
     mode = "lmcache_driven"
@@ -525,3 +573,68 @@ def _ok_of(fut: MPFuture, op: str) -> MPFuture:
 
     fut.add_done_callback(done)
     return out
+
+
+# -- the router ----------------------------------------------------------------------------
+def create_transfer_context(
+    kv_caches: Any, *, instance_id: int, req_client: Any, mode: Any = None, **kwargs: Any
+) -> TransferContext:
+    """The context for ``kv_caches``' device in ``mode`` (``None``: ``ENV_MP_TRANSFER_MODE``,
+    then AUTO); ``kwargs`` go to the context (``layout_hints``, ``timeout``)."""
+    device_type = _device_type(kv_caches)
+    resolved = resolve_mp_transfer_mode(mode)
+    if resolved == MPTransferMode.AUTO:
+        try:
+            # Looked up in the platform package at call time (here and below): the device
+            # registry's functions are what tests substitute.
+            from lmcache.v1.platform import get_device_spec
+
+            spec = get_device_spec(device_type)
+        except Exception:
+            spec = None  # no usable spec: AUTO means engine_driven
+        resolved = effective_default_mode(spec)
+    logger.info("Creating transfer context (device_type=%s, mode=%s)", device_type, resolved.value)
+    if resolved == MPTransferMode.LMCACHE_DRIVEN:
+        return _build_lmcache_driven_context(
+            kv_caches, device_type, instance_id=instance_id, req_client=req_client, **kwargs
+        )
+    return _build_engine_driven_context(
+        kv_caches, instance_id=instance_id, req_client=req_client, **kwargs
+    )
+
+
+def _device_type(kv_caches: Any) -> str:
+    tensors = list(kv_caches.values()) if isinstance(kv_caches, dict) else list(kv_caches)
+    if not tensors:
+        raise ValueError("kv_caches is empty")
+    types = sorted({(t[0] if isinstance(t, tuple | list) else t).device.type for t in tensors})
+    if len(types) != 1:
+        raise ValueError(f"kv_caches must share one device type, got {', '.join(types)}")
+    return types[0]
+
+
+def _build_engine_driven_context(kv_caches: Any, **kwargs: Any) -> EngineDrivenTransferContext:
+    return EngineDrivenTransferContext(kv_caches, **kwargs)
+
+
+def _build_lmcache_driven_context(
+    kv_caches: Any, device_type: str, **kwargs: Any
+) -> LMCacheDrivenTransferContext:
+    from lmcache.v1.platform import get_device_spec, resolve_kv_wrapper_factory
+
+    try:
+        factory = resolve_kv_wrapper_factory(device_type)
+    except ValueError:
+        raise ValueError(
+            f"MP transfer mode 'lmcache_driven' is not supported for device type {device_type!r}: "
+            "no KV-cache wrapper factory is registered. Use mode 'engine_driven' instead."
+        ) from None
+    spec = get_device_spec(device_type)
+    # effective_...: same answer, plus the docs/design/platform.md#capability-flags warning when the
+    # spec's two capability flags disagree
+    if spec is not None and not effective_lmcache_driven_available(spec):
+        raise ValueError(
+            f"MP transfer mode 'lmcache_driven' is not available for device type {device_type!r}: "
+            "required platform capability checks failed. Use mode 'engine_driven' instead."
+        )
+    return LMCacheDrivenTransferContext(kv_caches, wrapper_factory=factory, **kwargs)

@@ -1,29 +1,38 @@
-"""The worker's use of the server-side transfer context (``create_transfer_context``).
+"""The worker's transfer runner: one vLLM worker's stores and retrieves, in order, across
+server restarts.
 
-The context (``lmcache.v1.multiprocess.transfer_context``) does the actual
-copies and RPCs. This wrapper adds what the connector needs on top:
+A transfer context (``lmcache.v1.multiprocess.transfer_context.worker_transfer``, built by
+``create_transfer_context``) does one copy and its RPCs. :class:`TransferRunner` owns the
+worker's context and runs its transfers the way the connector needs:
 
-* engine_driven contexts run each transfer synchronously (prepare, copy,
-  commit), so here they run on one background thread, in submission order,
-  and vLLM's ``wait_for_save``/``start_load_kv`` never wait for the server;
-* a *generation* counter: transfers queued before a server restart are failed,
-  never executed, so nothing touches a view into an old SHM segment;
+* engine_driven contexts run each transfer synchronously (prepare, copy, commit), so here
+  they run on one background thread, in submission order, and vLLM's
+  ``wait_for_save``/``start_load_kv`` never wait for the server;
+* a *generation* counter: transfers queued before a server restart are failed, never
+  executed, so nothing touches a view into an old SHM segment;
 * re-registration under the same ``instance_id`` after a restart;
-* a ``NOT_REGISTERED`` error reply switches the link to degraded mode, which
-  re-registers on the next answered ping.
+* a ``NOT_REGISTERED`` error reply switches the link to degraded mode, which re-registers on
+  the next answered ping.
+
+It is built from explicit parts: the worker's :class:`ServerLink`, its KV caches and a
+:class:`TransferRunnerSpec` (what registration and the RPCs need). The worker adapter
+(``worker_adapter``) builds it once the KV caches are known; this module never imports it.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
 import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from lmcache.integration.vllm.server_link import ServerLink
 from lmcache.utils import init_logger
 from lmcache.v1.multiprocess.protocol import RemoteError
 
 if TYPE_CHECKING:
-    from lmcache.integration.vllm.worker_adapter import LMCacheMPWorkerAdapter
+    from lmcache.v1.multiprocess.transfer_context.worker_transfer import TransferContext
 
 logger = init_logger(__name__)
 
@@ -66,24 +75,51 @@ class DoneFuture:
         return self.ok
 
 
-class WorkerTransfer:
-    def __init__(self, adapter: LMCacheMPWorkerAdapter) -> None:
-        from lmcache.v1.multiprocess.transfer_context import create_transfer_context
+@dataclass(frozen=True)
+class TransferRunnerSpec:
+    """What a worker registers with the server and how long it waits for it.
 
-        self.adapter = adapter
-        self.link = adapter.link
-        self.ctx = create_transfer_context(
-            adapter.kv_caches,
-            instance_id=adapter.instance_id,
-            req_client=adapter.link.client,
-            mode=adapter.config.mp_transfer_mode,  # None: LMCACHE_MP_TRANSFER_MODE, then auto
-            layout_hints=adapter.layout_hints(),
-            timeout=adapter.config.mq_timeout,
+    ``engine_group_infos``: one entry per KV cache group, as the registration sends them
+    (``engine_group_id``, ``layer_indices``, ``tokens_per_block``, ...); engine_driven
+    transfer takes one group only. ``layout_hints``: vLLM's layout inside a block for the
+    copy functions (``kv_layout``, ``tokens_per_block``, ``num_kv_heads``, ``head_dim``).
+    ``mode``: ``None`` leaves the choice to ``LMCACHE_MP_TRANSFER_MODE``, then ``auto``.
+    """
+
+    instance_id: int
+    model_name: str
+    kv_world_size: int
+    engine_group_infos: tuple[Mapping[str, Any], ...]
+    layout_hints: Mapping[str, Any]
+    mode: str | None
+    mq_timeout: float
+
+
+class TransferRunner:
+    def __init__(self, link: ServerLink, kv_caches: Any, spec: TransferRunnerSpec) -> None:
+        """Build the context for ``kv_caches`` (vLLM's ``{layer_name: tensor}``) and register
+        it through ``link``; ValueError when engine_driven meets more than one KV group."""
+        # Loaded with the first worker, not with the connector module: it brings the
+        # transfer contexts (torch, the copy functions) along.
+        from lmcache.v1.multiprocess.transfer_context.worker_transfer import (
+            create_transfer_context,
         )
-        self.engine_driven = getattr(self.ctx, "mode", "") != "lmcache_driven"
-        if self.engine_driven and len(adapter.groups) > 1:
-            self.ctx.close()
-            raise ValueError(ENGINE_DRIVEN_GROUPS_ERROR.format(n=len(adapter.groups)))
+
+        self.link = link
+        self.spec = spec
+        self.context: TransferContext = create_transfer_context(
+            kv_caches,
+            instance_id=spec.instance_id,
+            req_client=link.client,
+            mode=spec.mode,
+            layout_hints=dict(spec.layout_hints),
+            timeout=spec.mq_timeout,
+        )
+        self.engine_driven = self.context.mode != "lmcache_driven"
+        groups = len(spec.engine_group_infos)
+        if self.engine_driven and groups > 1:
+            self.context.close()
+            raise ValueError(ENGINE_DRIVEN_GROUPS_ERROR.format(n=groups))
         self._generation = 0
         self._gen_lock = threading.Lock()
         self._views_lock = threading.Lock()
@@ -96,18 +132,18 @@ class WorkerTransfer:
 
     @property
     def mode(self) -> str:
-        return str(getattr(self.ctx, "mode", ""))
+        """The context's transport: ``lmcache_driven``, or ``SHM``/``raw_v1``/``pickle``."""
+        return str(self.context.mode)
 
     def _register(self) -> None:
-        self.ctx.register(
-            self.adapter.model_name,
-            self.adapter.strategy.kv_world_size,
-            self.adapter.engine_group_infos(),
+        spec = self.spec
+        self.context.register(
+            spec.model_name, spec.kv_world_size, [dict(g) for g in spec.engine_group_infos]
         )
 
     # -- transfers -------------------------------------------------------------------
     def submit_store(self, key: Any, block_ids: Any) -> Any:
-        return self._submit(self.ctx.submit_store, key, block_ids)
+        return self._submit(self.context.submit_store, key, block_ids)
 
     def submit_retrieve(
         self, key: Any, block_ids: Any, skip_first_n_tokens: int, inline: bool = False
@@ -116,8 +152,8 @@ class WorkerTransfer:
         one transfer in progress (not behind every queued store): a synchronous load."""
         args = (key, block_ids, skip_first_n_tokens)
         if inline and self._executor is not None:
-            return DoneFuture(self._run(self._generation, self.ctx.submit_retrieve, *args))
-        return self._submit(self.ctx.submit_retrieve, *args)
+            return DoneFuture(self._run(self._generation, self.context.submit_retrieve, *args))
+        return self._submit(self.context.submit_retrieve, *args)
 
     def _submit(self, fn: Any, *args: Any) -> Any:
         if self._executor is None:
@@ -146,9 +182,9 @@ class WorkerTransfer:
     def flush(self, timeout: float | None = None) -> bool:
         """Wait (at most ``timeout``, default mq_timeout) until every transfer submitted so
         far finished; False if some still run."""
-        timeout = self.adapter.config.mq_timeout if timeout is None else timeout
+        timeout = self.spec.mq_timeout if timeout is None else timeout
         if self._executor is None:
-            self.ctx.flush_inflight_stores()
+            self.context.flush_inflight_stores()
             return True
         try:
             self._executor.submit(lambda: None).result(timeout)
@@ -166,7 +202,7 @@ class WorkerTransfer:
             self._register()
             return
         # Runs after the transfers in flight, on the thread that owns the SHM views.
-        self._executor.submit(self._register_exclusive).result(self.adapter.config.mq_timeout)
+        self._executor.submit(self._register_exclusive).result(self.spec.mq_timeout)
 
     def _register_exclusive(self) -> None:
         with self._views_lock:
@@ -182,6 +218,6 @@ class WorkerTransfer:
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
         try:
-            self.ctx.unregister(timeout=timeout)
+            self.context.unregister(timeout=timeout)
         finally:
-            self.ctx.close()
+            self.context.close()

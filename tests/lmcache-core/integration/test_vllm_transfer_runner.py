@@ -1,0 +1,153 @@
+"""The worker's ``TransferRunner`` on its own: built from a ``ServerLink``, KV caches and a
+``TransferRunnerSpec``, with no worker adapter, against a real ``lmcache server``."""
+
+from __future__ import annotations
+
+import ast
+import itertools
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from lmcache.integration.vllm import transfer_runner
+from lmcache.integration.vllm.mp_config import MPConnectorConfig
+from lmcache.integration.vllm.server_link import ServerLink
+from lmcache.integration.vllm.transfer_runner import TransferRunner, TransferRunnerSpec
+from lmcache.v1.multiprocess.protocol import IPCCacheServerKey
+
+BLOCK = 16  # tokens per vLLM block
+HEADS, HEAD_DIM, LAYERS, NUM_BLOCKS = 2, 8, 2, 64
+_ids = itertools.count(1)
+
+
+@pytest.fixture(scope="module")
+def servers(lmcache_server_module):
+    """One server on the copy path and one that offers its SHM pool, started on first use."""
+    started = {}
+
+    def get(shm: bool):
+        if shm not in started:
+            args = ("--shm-name", f"trun{os.getpid()}") if shm else ()
+            started[shm] = lmcache_server_module(*args)
+        return started[shm]
+
+    return get
+
+
+def vllm_kv_caches() -> dict[str, torch.Tensor]:
+    """vLLM's per-layer paged KV, NHD: ``[2, num_blocks, block_size, heads, head_dim]``."""
+    g = torch.Generator().manual_seed(7)
+    shape = (2, NUM_BLOCKS, BLOCK, HEADS, HEAD_DIM)
+    return {f"model.layers.{i}.attn": torch.randn(shape, generator=g).half() for i in range(LAYERS)}
+
+
+def spec_for(model: str, instance_id: int, mode: str, *, groups: int = 1) -> TransferRunnerSpec:
+    group = {
+        "layer_indices": list(range(LAYERS)),
+        "tokens_per_block": BLOCK,
+        "sw_size_tokens": -1,
+        "extra_object_group_tag": 0,
+        "recurrent_state": False,
+    }
+    return TransferRunnerSpec(
+        instance_id=instance_id,
+        model_name=model,
+        kv_world_size=1,
+        engine_group_infos=tuple({"engine_group_id": i, **group} for i in range(groups)),
+        layout_hints={
+            "kv_layout": "NHD",
+            "tokens_per_block": BLOCK,
+            "num_kv_heads": HEADS,
+            "head_dim": HEAD_DIM,
+        },
+        mode=mode,
+        mq_timeout=20.0,
+    )
+
+
+def key(model: str, tokens: list[int], rid: str, worker_id: int | None = 0) -> IPCCacheServerKey:
+    return IPCCacheServerKey(
+        model_name=model,
+        world_size=1,
+        worker_id=worker_id,
+        token_ids=tokens,
+        start=0,
+        end=len(tokens),
+        request_id=rid,
+        num_kv_readers=1,
+    )
+
+
+@pytest.mark.parametrize(
+    "mode, shm, inline, transport",
+    [
+        ("engine_driven", False, False, "raw_v1"),
+        ("engine_driven", True, True, "SHM"),
+        ("lmcache_driven", False, False, "lmcache_driven"),
+    ],
+)
+def test_a_runner_without_an_adapter_stores_then_retrieves(servers, mode, shm, inline, transport):
+    srv = servers(shm)
+    instance_id = next(_ids)
+    model = f"runner-{mode}-{shm}-{instance_id}"
+    link = ServerLink(
+        MPConnectorConfig(host="tcp://127.0.0.1", port=srv.port, mq_timeout=20.0),
+        role="worker (test)",
+        instance_id=instance_id,
+    )
+    kv = vllm_kv_caches()
+    runner = TransferRunner(link, kv, spec_for(model, instance_id, mode))
+    try:
+        assert runner.mode == transport
+        chunks = 2
+        tokens = [(instance_id * 1000 + i) % 30000 for i in range(chunks * link.chunk_size)]
+        block_ids = list(range(1, 1 + len(tokens) // BLOCK))  # block 0 is vLLM's null block
+        assert runner.submit_store(key(model, tokens, "store"), [block_ids]).result(20)
+        assert runner.flush(20)
+        stored = {name: t[:, block_ids].clone() for name, t in kv.items()}
+        for t in kv.values():
+            t[:, block_ids] = 0
+
+        assert link.client.lookup_hits(key(model, tokens, "load", worker_id=None), 10.0) == chunks
+        load = runner.submit_retrieve(key(model, tokens, "load"), [block_ids], 0, inline=inline)
+        assert load.result(20)
+        for name, t in kv.items():
+            assert torch.equal(t[:, block_ids], stored[name]), name
+    finally:
+        runner.close(timeout=5)
+        link.close()
+
+
+def test_engine_driven_refuses_more_than_one_kv_group(servers):
+    srv = servers(False)
+    instance_id = next(_ids)
+    link = ServerLink(
+        MPConnectorConfig(host="tcp://127.0.0.1", port=srv.port, mq_timeout=20.0),
+        role="worker (test)",
+        instance_id=instance_id,
+    )
+    try:
+        spec = spec_for("runner-groups", instance_id, "engine_driven", groups=2)
+        with pytest.raises(ValueError) as err:
+            TransferRunner(link, vllm_kv_caches(), spec)
+        assert str(err.value) == (
+            "engine_driven transfer supports one KV cache group, got 2; use lmcache_driven or "
+            "start vLLM with --disable-hybrid-kv-cache-manager"
+        )
+    finally:
+        link.close()
+
+
+def test_the_runner_module_never_imports_the_adapter():
+    """Built from explicit parts: no import of the adapter, not even for type checking."""
+    tree = ast.parse(Path(transfer_runner.__file__).read_text())
+    imported = {
+        alias.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Import)
+        for alias in node.names
+    } | {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    assert "lmcache.integration.vllm.server_link" in imported  # the walk sees the imports
+    assert not {m for m in imported if m and "adapter" in m}, imported
