@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 
@@ -11,7 +12,9 @@ import pytest
 
 from lmcache.v1.distributed.config import (
     EvictionConfig,
+    L1ManagerConfig,
     L1MemoryManagerConfig,
+    StorageManagerConfig,
     add_storage_manager_args,
     parse_args_to_storage_manager_config,
     parse_l1_manager_json,
@@ -38,6 +41,33 @@ def test_defaults_of_every_flag():
     assert a.periodic_notifier_interval_ms == 5 and a.shm_name == "" and a.l2_adapter == []
     assert a.l2_lookup_timeout_seconds == 30 and a.l2_load_timeout_seconds == 60
     assert parser.parse_args(["--no-l1-use-lazy"]).l1_use_lazy is False
+
+
+def test_storage_flags_come_from_their_config_fields():
+    """Each storage flag is declared once, on the config field it sets: the storage parser
+    has exactly that flag (name, dest, help), and the value given reaches the field."""
+    from lmcache.v1.distributed.config_flags import flag_of
+    from lmcache.v1.distributed.storage_flags import add_storage_flags, storage_manager_config
+
+    parser = argparse.ArgumentParser()
+    add_storage_flags(parser, l1_size_gb_default=1, eviction_policy_default="LRU")
+    actions = {a.option_strings[0]: a for a in parser._actions if a.option_strings}
+    declared = [
+        (cls, f.name)
+        for cls in (EvictionConfig, L1MemoryManagerConfig, L1ManagerConfig, StorageManagerConfig)
+        for f in dataclasses.fields(cls)
+        if "flag" in f.metadata
+    ]
+    assert len(declared) == 19
+    for cls, name in declared:
+        info = flag_of(cls, name)
+        action = actions[info.name]
+        assert action.dest == info.dest and action.help.startswith(info.help)
+    argv = ["--eviction-ratio", "0.3", "--l1-read-ttl-seconds", "7", "--l2-prefetch-max-in-flight"]
+    cfg = storage_manager_config(vars(parser.parse_args([*argv, "3"])))
+    assert cfg.eviction_config.eviction_ratio == 0.3
+    assert cfg.l1_manager_config.read_ttl_seconds == 7
+    assert cfg.l2_prefetch_max_in_flight == 3
 
 
 def test_legacy_path_requires_size_and_policy():

@@ -46,7 +46,7 @@ def test_plugins_json_lists_backends_and_degrades_without_l2(monkeypatch, capsys
     # the L2 half degrades to a note when the storage layer cannot be imported
     from lmcache.cli import plugins
 
-    monkeypatch.setitem(sys.modules, "lmcache.v1.distributed.l2_adapters.factory", None)
+    monkeypatch.setitem(sys.modules, "lmcache.v1.distributed.l2_adapters.registry", None)
     report = plugins.collect()
     assert report["l2_adapter_types"] == []
     assert any("L2 adapter types unavailable" in n for n in report["notes"])

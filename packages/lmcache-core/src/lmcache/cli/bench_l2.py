@@ -327,17 +327,17 @@ def _bench_one(
     import torch
 
     from lmcache.v1.distributed.l1_memory import L1Allocator
-    from lmcache.v1.distributed.l2_adapters.config import parse_l2_adapter_dict
-    from lmcache.v1.distributed.l2_adapters.factory import create_l2_adapter_from_registry
+    from lmcache.v1.distributed.l2_adapters.registry import default_l2_adapter_registry
     from lmcache.v1.distributed.l2_adapters.serde_wrapper import create_l2_serde
 
+    l2_types = default_l2_adapter_registry()
     serde_cfg = None
     try:
         d = json.loads(spec_json)
     except json.JSONDecodeError as exc:
         raise CLIError(f"Invalid JSON for --l2-adapter #{index}: {exc}") from exc
     try:
-        cfg = parse_l2_adapter_dict(index, d)
+        cfg = l2_types.parse(d, where=f"--l2-adapter #{index}")
         serde_cfg = getattr(cfg, "serde_config", None)
         # as the storage manager: the serde is built (and an unknown type refused) first
         serde = create_l2_serde(serde_cfg) if serde_cfg is not None else None
@@ -353,7 +353,7 @@ def _bench_one(
         size += 2 * args.in_flight * args.num_keys * ((tmp + align - 1) // align * align + align)
     alloc = L1Allocator(size, align, shm_name="", use_hugepages=args.l1_use_hugepages)
     try:
-        adapter = create_l2_adapter_from_registry(cfg, alloc.memory_desc())
+        adapter = l2_types.create(cfg, alloc.memory_desc())
         if serde is not None:
             adapter = _wrap_with_serde(adapter, serde, serde_cfg.type, alloc)
     except BaseException:

@@ -88,10 +88,11 @@ def collect() -> dict[str, Any]:
     l2_types: list[dict[str, Any]] = []
     l2_failed: list[dict[str, str]] = []
     try:
-        factory = importlib.import_module("lmcache.v1.distributed.l2_adapters.factory")
-        l2_types = [dict(t) for t in factory.describe_l2_adapter_types()]
+        registry_module = importlib.import_module("lmcache.v1.distributed.l2_adapters.registry")
+        l2_registry = registry_module.default_l2_adapter_registry()
+        l2_types = [dict(t) for t in l2_registry.describe()]
         l2_failed = [
-            {"name": n, "value": v, "reason": r} for n, v, r in factory.failed_l2_adapter_plugins()
+            {"name": n, "value": v, "reason": r} for n, v, r in l2_registry.failed_plugins()
         ]
     except Exception as exc:
         notes.append(f"L2 adapter types unavailable: {type(exc).__name__}: {exc}")

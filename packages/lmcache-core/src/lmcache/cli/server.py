@@ -38,13 +38,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def build_configs(args: argparse.Namespace):
-    """(MPServerConfig, StorageManagerConfig) from parsed flags; CLIError on bad values."""
-    from lmcache.v1.distributed.config import parse_args_to_storage_manager_config
+    """(MPServerConfig, StorageManagerConfig) from parsed flags; CLIError on bad values.
+
+    This is where the parsed flags become typed configs, once: the storage engine is built
+    from them and never sees ``args``."""
+    from lmcache.v1.distributed.storage_flags import storage_manager_config
     from lmcache.v1.multiprocess.config import MPServerConfig
 
     validate_args(args)
     try:
-        storage_config = parse_args_to_storage_manager_config(args)
+        storage_config = storage_manager_config(vars(args))
     except ValueError as exc:
         raise CLIError(str(exc)) from None
     kwargs = dict(

@@ -134,7 +134,7 @@ def _dependent_help(flag: str) -> str:
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
-    from lmcache.v1.distributed.config import add_storage_manager_args
+    from lmcache.v1.distributed.storage_flags import add_storage_flags
 
     g = parser.add_argument_group("MP server")
     g.add_argument("--instance-id", default=None, help="service.instance.id (default: random UUID)")
@@ -251,7 +251,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     p2p.add_argument("--p2p-load-timeout", type=float, default=30.0)
     p2p.add_argument("--p2p-transfer-engine", default="nixl")
 
-    add_storage_manager_args(
+    add_storage_flags(
         parser,
         l1_size_gb_default=L1_SIZE_GB_DEFAULT,
         eviction_policy_default=EVICTION_POLICY_DEFAULT,

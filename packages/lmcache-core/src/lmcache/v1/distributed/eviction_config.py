@@ -1,12 +1,15 @@
 """``EvictionConfig``: the eviction settings of one L1 or one L2 adapter
 (docs/design/storage-engine.md). Its own module so that both ``config`` (L1 flags) and
 ``l2_adapters.config`` (each adapter's ``eviction`` block) import it from below;
-``lmcache.v1.distributed.config`` re-exports both names.
+``lmcache.v1.distributed.config`` re-exports both names. Its fields declare their
+``lmcache server`` flags (``config_flags``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from lmcache.v1.distributed.config_flags import flag
 
 __all__ = ["EVICTION_POLICIES", "EvictionConfig"]
 
@@ -19,9 +22,22 @@ class EvictionConfig:
     """When and how much to evict: above ``trigger_watermark`` (a fraction of capacity),
     free ``eviction_ratio`` of it in ``eviction_policy`` order."""
 
-    eviction_policy: str
-    trigger_watermark: float = 0.8
-    eviction_ratio: float = 0.2
+    # The flags configure the L1's eviction (an L2 adapter's comes from its JSON).
+    eviction_policy: str = flag(
+        "--eviction-policy", "L1 eviction policy", choices=EVICTION_POLICIES, flag_default=None
+    )
+    trigger_watermark: float = flag(
+        "--eviction-trigger-watermark",
+        "evict when L1 usage reaches this fraction",
+        default=0.8,
+        type=float,
+    )
+    eviction_ratio: float = flag(
+        "--eviction-ratio",
+        "fraction of used bytes freed per eviction cycle",
+        default=0.2,
+        type=float,
+    )
     extra_logging_enabled: bool = False
     extra_logging_interval: float = 10.0
 

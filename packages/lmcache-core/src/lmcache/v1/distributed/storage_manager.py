@@ -34,12 +34,9 @@ from lmcache.v1.distributed.eviction import L1EvictionController, L2EvictionCont
 from lmcache.v1.distributed.internal_api import L1Error
 from lmcache.v1.distributed.l1_manager import L1Manager
 from lmcache.v1.distributed.l2_adapters.base import AdapterUsage, L2AdapterInterface
-from lmcache.v1.distributed.l2_adapters.config import (
-    L2AdapterConfigBase,
-    get_type_name_for_config,
-)
-from lmcache.v1.distributed.l2_adapters.factory import create_l2_adapter_from_registry
+from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
 from lmcache.v1.distributed.l2_adapters.health import adapter_health
+from lmcache.v1.distributed.l2_adapters.registry import default_l2_adapter_registry
 from lmcache.v1.distributed.l2_adapters.serde_wrapper import (
     SerdeL2AdapterWrapper,
     create_l2_serde,
@@ -135,10 +132,10 @@ class StorageManager:
     def _create_adapter(self, acfg: L2AdapterConfigBase) -> Any:
         serde_cfg = getattr(acfg, "serde_config", None)
         serde = create_l2_serde(serde_cfg) if serde_cfg is not None else None  # fail early
-        type_name = get_type_name_for_config(acfg)
         l1_index = self._l1_index_for_tag(acfg.affinity_tag)
         desc = self.l1_managers[l1_index].get_l1_memory_desc()
-        adapter: L2AdapterInterface = create_l2_adapter_from_registry(acfg, desc)
+        adapter: L2AdapterInterface = default_l2_adapter_registry().create(acfg, desc)
+        type_name = acfg.type_name  # read after create: a 0.5.6-style class learns it there
         try:
             if serde is not None:
                 adapter = SerdeL2AdapterWrapper(

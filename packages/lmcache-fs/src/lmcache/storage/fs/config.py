@@ -53,6 +53,8 @@ _COMMON_HELP = """\
 
 @dataclass
 class FSL2AdapterConfig(L2AdapterConfigBase):
+    type_name = "fs"
+
     base_path: str
     relative_tmp_dir: str | None = None
     read_ahead_size: int | None = None
@@ -101,6 +103,8 @@ class FSL2AdapterConfig(L2AdapterConfigBase):
 
 @dataclass
 class FSNativeL2AdapterConfig(L2AdapterConfigBase):
+    type_name = "fs_native"
+
     base_path: str
     num_workers: int = 4
     relative_tmp_dir: str = ""

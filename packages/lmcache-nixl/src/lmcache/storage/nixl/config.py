@@ -52,6 +52,8 @@ class NixlStoreL2AdapterConfig(L2AdapterConfigBase):
     """``nixl_store``: a fixed pool of page-sized slots (file offsets or objects) behind one
     NIXL agent that has the whole L1 arena registered."""
 
+    type_name = "nixl_store"
+
     backend: str
     backend_params: dict[str, str] = field(default_factory=dict)
     pool_size: int = 1
@@ -117,6 +119,8 @@ class NixlNativeL2AdapterConfig(L2AdapterConfigBase):
     """``nixl_native``: one file (FILE_SEG plugins) or object (OBJ_SEG plugins) per key, under
     the L2 names (docs/design/storage-formats.md#l2-names), moved by NIXL from the registered L1
     arena."""
+
+    type_name = "nixl_native"
 
     backend: str
     backend_params: dict[str, str] = field(default_factory=dict)

@@ -24,6 +24,8 @@ def _positive_int(v: Any, key: str) -> int:
 
 @dataclass
 class RESPL2AdapterConfig(L2AdapterConfigBase):
+    type_name = "resp"
+
     host: str
     port: int
     num_workers: int = 8

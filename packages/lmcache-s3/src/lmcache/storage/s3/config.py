@@ -74,6 +74,8 @@ def _split_scheme(endpoint: str) -> tuple[str, bool | None]:
 
 @dataclass
 class S3L2AdapterConfig(L2AdapterConfigBase):
+    type_name = "s3"
+
     s3_endpoint: str
     s3_region: str
     s3_num_io_threads: int = 64

@@ -1,31 +1,42 @@
-"""L2 adapter configuration and ``--l2-adapter`` parsing (docs/design/storage-engine.md#l2-config).
+"""L2 adapter configuration (docs/design/storage-engine.md#l2-config).
 
-Every JSON object given to ``--l2-adapter`` names a registered ``type``; its config class
-(a ``L2AdapterConfigBase`` subclass) parses the rest with ``from_dict``. Types come from
-core (plugin, native_plugin, mock, fault_inject) and from wheels through the
-``lmcache.l2_adapters`` entry-point group; the ``L2AdapterRegistry`` (``registry``) owns
-them, and the registry functions here answer from its default instance.
+Every JSON object given to ``--l2-adapter`` names a registered ``type``; its config class (a
+:class:`L2AdapterConfigBase` subclass, which carries the type's name in ``type_name`` and its
+help in ``help()``) parses the rest with ``from_options``: the type's own fields
+(``from_dict``) and the generic ones (:data:`GENERIC_FIELDS`). The
+``L2AdapterRegistry`` (``registry``) finds the class for a type name and the factory for a
+config; ``L2AdapterRegistry.parse`` / ``create`` / ``build`` are the configuration path.
+
+0.5.6's functions of this module (``register_l2_adapter_type``,
+``get_l2_adapter_config_class``, ``get_registered_l2_adapter_types``,
+``get_type_name_for_config``, ``create_l2_adapter_from_registry``, ``add_l2_adapters_args``,
+``parse_args_to_l2_adapters_config``) and this project's earlier ``build_config_from_dict`` /
+``parse_l2_adapter_dict`` live in ``lmcache.v1.distributed.compat_056`` and are importable
+from here as before.
 """
 
 from __future__ import annotations
 
 import abc
-import argparse
-import difflib
-import json
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from lmcache.utils import init_logger
+from lmcache.utils.lazy import lazy_attributes, lazy_dir
 from lmcache.v1.distributed.eviction_config import EvictionConfig
-from lmcache.v1.distributed.l2_adapters.registry import default_l2_adapter_registry
-from lmcache.v1.errors import UnknownL2AdapterTypeError
 
 if TYPE_CHECKING:
-    from lmcache.v1.distributed.internal_api import L1MemoryDesc
-    from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface
-
-logger = init_logger(__name__)
+    # Typed views of the 0.5.6 names below; at run time __getattr__ imports them.
+    from lmcache.v1.distributed.compat_056 import (
+        add_l2_adapters_args,
+        build_config_from_dict,
+        create_l2_adapter_from_registry,
+        get_l2_adapter_config_class,
+        get_registered_l2_adapter_types,
+        get_type_name_for_config,
+        parse_args_to_l2_adapters_config,
+        parse_l2_adapter_dict,
+        register_l2_adapter_type,
+    )
 
 __all__ = [
     "GENERIC_FIELDS",
@@ -34,13 +45,33 @@ __all__ = [
     "PersistConfig",
     "SerdeConfig",
     "add_l2_adapters_args",
+    "build_config_from_dict",
     "create_l2_adapter_from_registry",
     "get_l2_adapter_config_class",
     "get_registered_l2_adapter_types",
     "get_type_name_for_config",
     "parse_args_to_l2_adapters_config",
+    "parse_l2_adapter_dict",
     "register_l2_adapter_type",
 ]
+
+# 0.5.6's functions (and two earlier names of ours): defined once, in the compat module,
+# which imports this one; a table, not an import, so that no cycle results.
+_COMPAT = "lmcache.v1.distributed.compat_056"
+_LAZY: dict[str, tuple[str, str | None]] = {
+    name: (_COMPAT, name)
+    for name in (
+        "add_l2_adapters_args",
+        "build_config_from_dict",
+        "create_l2_adapter_from_registry",
+        "get_l2_adapter_config_class",
+        "get_registered_l2_adapter_types",
+        "get_type_name_for_config",
+        "parse_args_to_l2_adapters_config",
+        "parse_l2_adapter_dict",
+        "register_l2_adapter_type",
+    )
+}
 
 GENERIC_FIELDS = frozenset(
     {"type", "affinity_tag", "shared", "eviction", "persist_enabled", "serde"}
@@ -75,12 +106,18 @@ class SerdeConfig:
 
 
 class L2AdapterConfigBase(abc.ABC):
-    """Base of every adapter config. The parser sets the generic attributes after ``from_dict``.
+    """Base of every adapter config: a type's options, declared once, in its class.
 
-    A subclass MAY declare ``known_fields: frozenset[str]``; unknown top-level keys then log
-    a warning naming the closest known field (they are never rejected).
+    A subclass declares ``type_name`` (its JSON ``type``; a class without one, as written
+    for 0.5.6, gets the name it registers under) and implements ``from_dict`` and ``help``.
+    It MAY declare ``known_fields: frozenset[str]``; unknown top-level keys then log a
+    warning naming the closest known field (they are never rejected). ``from_options`` adds
+    the generic attributes to what ``from_dict`` returns.
     """
 
+    #: The JSON ``type`` this class configures (the canonical name, never an alias), so that
+    #: creating an adapter from a config never searches the registry for it.
+    type_name: ClassVar[str] = ""
     affinity_tag: str = "_default"
     shared: bool = False
     eviction_config: EvictionConfig | None = None
@@ -101,6 +138,22 @@ class L2AdapterConfigBase(abc.ABC):
     def help(cls) -> str:
         """The type's fields, their defaults and an example, shown when its JSON is rejected
         and by ``lmcache server --help``."""
+
+    @classmethod
+    def from_options(cls, d: dict[str, Any]) -> L2AdapterConfigBase:
+        """The config of one ``--l2-adapter`` object: ``from_dict`` (given every key but
+        ``affinity_tag``) plus the generic fields (affinity_tag, shared, eviction,
+        persist_enabled, serde)."""
+        cfg = cls.from_dict({k: v for k, v in d.items() if k != "affinity_tag"})
+        tag = d.get("affinity_tag", "_default")
+        if not isinstance(tag, str) or not tag:
+            raise ValueError("affinity_tag must be a non-empty string")
+        cfg.affinity_tag = tag
+        cfg.shared = bool(d.get("shared", False))
+        cfg.eviction_config = L2AdapterConfigBase._parse_eviction_config(d)
+        cfg.persist_config = L2AdapterConfigBase._parse_persist_config(d)
+        cfg.serde_config = L2AdapterConfigBase._parse_serde_config(d)
+        return cfg
 
     # --- static helpers for subclasses and the parser ---------------------------------
 
@@ -179,142 +232,10 @@ class L2AdaptersConfig:
     adapters: list[L2AdapterConfigBase] = field(default_factory=list)
 
 
-# --- registry (0.5.6's functions, answered by the default L2AdapterRegistry) ----------------
+# Hidden from type checkers: with a visible module __getattr__, mypy would accept any
+# misspelt name imported from this module as Any.
+if not TYPE_CHECKING:
+    __getattr__ = lazy_attributes(__name__, _LAZY)
 
 
-def register_l2_adapter_type(name: str, cls: type[L2AdapterConfigBase]) -> None:
-    """Make JSON ``type`` ``name`` parse with ``cls`` (0.5.6 API; entry-point wheels use
-    ``L2AdapterTypeSpec`` instead). A name already taken raises ``DuplicateRegistrationError``."""
-    default_l2_adapter_registry().register_type(name, cls)
-
-
-def get_l2_adapter_config_class(t: str) -> type[L2AdapterConfigBase]:
-    """The config class of type (or alias) ``t``; ``UnknownL2AdapterTypeError`` otherwise."""
-    return default_l2_adapter_registry().config_class(t)
-
-
-def get_registered_l2_adapter_types() -> list[str]:
-    """Every type name and alias, sorted (loads built-ins and plugins)."""
-    return default_l2_adapter_registry().names()
-
-
-def get_type_name_for_config(cfg: L2AdapterConfigBase) -> str:
-    """The registered type name whose config class ``cfg`` is an instance of."""
-    return default_l2_adapter_registry().type_name_for_config(cfg)
-
-
-def create_l2_adapter_from_registry(
-    cfg: L2AdapterConfigBase, l1_memory_desc: L1MemoryDesc | None = None
-) -> L2AdapterInterface:
-    """Also exported here (IMPROVE, docs/design/storage-engine.md#l2-packaging): builds the adapter
-    ``cfg`` configures."""
-    return default_l2_adapter_registry().create(cfg, l1_memory_desc)
-
-
-# --- --l2-adapter ---------------------------------------------------------------------------
-
-
-def _help_example(types: list[str]) -> str:
-    if "fs" in types:
-        return '{"type":"fs","base_path":"/data/lmcache"}'
-    return '{"type":"mock","max_size_gb":1.0,"mock_bandwidth_gb":10.0}'
-
-
-def add_l2_adapters_args(parser: argparse.ArgumentParser | Any) -> None:
-    """Add the repeatable ``--l2-adapter JSON`` flag (group "L2 Adapters"). Its help names
-    the built-in types and the installed ``lmcache.l2_adapters`` entry points without
-    importing any plugin (``lmcache server --help`` stays fast and cannot fail on a broken
-    plugin); ``lmcache plugins`` lists every type each entry point provides."""
-    types, entry_points = default_l2_adapter_registry().names_without_plugins()
-    plugins = (
-        f"; installed plugins (entry points, each providing one or more types): "
-        f"{', '.join(entry_points)}"
-        if entry_points
-        else ""
-    )
-    group = parser.add_argument_group("L2 Adapters")
-    group.add_argument(
-        "--l2-adapter",
-        action="append",
-        default=[],
-        metavar="JSON",
-        dest="l2_adapter",
-        help=(
-            "L2 adapter as a JSON object, repeatable (cascade in argument order). "
-            f"Types: {', '.join(types) or '(none)'}{plugins}. `lmcache plugins` lists every "
-            f"type. Example: '{_help_example([*types, *entry_points])}'"
-        ),
-    )
-
-
-def _warn_unknown_fields(i: int, t: str, cls: type, d: dict[str, Any]) -> None:
-    known = getattr(cls, "known_fields", None)
-    if not known:
-        return
-    allowed = set(known) | GENERIC_FIELDS
-    for k in sorted(set(d) - allowed):
-        close = difflib.get_close_matches(k, sorted(allowed), n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
-        logger.warning("--l2-adapter #%d (type %r): unknown field %r ignored%s", i, t, k, hint)
-
-
-def build_config_from_dict(
-    cls: type[L2AdapterConfigBase], d: dict[str, Any]
-) -> L2AdapterConfigBase:
-    """``cls.from_dict`` plus the generic fields (affinity_tag, shared, eviction, persist, serde)."""
-    cfg = cls.from_dict({k: v for k, v in d.items() if k != "affinity_tag"})
-    tag = d.get("affinity_tag", "_default")
-    if not isinstance(tag, str) or not tag:
-        raise ValueError("affinity_tag must be a non-empty string")
-    cfg.affinity_tag = tag
-    cfg.shared = bool(d.get("shared", False))
-    cfg.eviction_config = L2AdapterConfigBase._parse_eviction_config(d)
-    cfg.persist_config = L2AdapterConfigBase._parse_persist_config(d)
-    cfg.serde_config = L2AdapterConfigBase._parse_serde_config(d)
-    return cfg
-
-
-def parse_l2_adapter_dict(i: int, d: Any) -> L2AdapterConfigBase:
-    """Parse one decoded ``--l2-adapter`` object (``i`` is its 1-based index)."""
-    if not isinstance(d, dict):
-        raise ValueError(f"--l2-adapter #{i}: expected a JSON object, got {type(d).__name__}")
-    if d.get("type") is None:  # as 0.5.6: an explicit null is a missing type
-        raise ValueError(f"--l2-adapter #{i}: missing 'type' field")
-    t = d["type"]
-    registry = default_l2_adapter_registry()
-    try:
-        cls = registry.config_class(t) if isinstance(t, str) else None
-    except UnknownL2AdapterTypeError:
-        cls = None
-    if cls is None:
-        raise registry.unknown_type_error(t, where=f"--l2-adapter #{i}")
-    try:
-        _warn_unknown_fields(i, t, cls, d)
-        cfg = build_config_from_dict(cls, d)
-    except (TypeError, ValueError) as exc:
-        rule = "-" * 60
-        logger.error(
-            "Error parsing --l2-adapter #%d (type %r): %s\n%s\n%s\n%s",
-            i,
-            t,
-            exc,
-            rule,
-            cls.help(),
-            rule,
-        )
-        raise ValueError(f"--l2-adapter #{i} ({t!r}): {exc}") from exc
-    return cfg
-
-
-def parse_args_to_l2_adapters_config(args: argparse.Namespace) -> L2AdaptersConfig:
-    """Parse every ``--l2-adapter`` JSON string of ``args`` (see :func:`add_l2_adapters_args`);
-    ``ValueError`` naming the adapter's position on bad JSON, an unknown type or a rejected
-    field."""
-    adapters = []
-    for i, raw in enumerate(getattr(args, "l2_adapter", None) or [], start=1):
-        try:
-            d = json.loads(raw)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"Invalid JSON for --l2-adapter #{i}: {exc}") from exc
-        adapters.append(parse_l2_adapter_dict(i, d))
-    return L2AdaptersConfig(adapters=adapters)
+__dir__ = lazy_dir(globals(), _LAZY)

@@ -1,25 +1,34 @@
-"""Adapter factories and plugin discovery: 0.5.6's functions
+"""0.5.6's path for adapter factories and plugin loading
 (docs/design/storage-engine.md#l2-packaging, docs/design/storage-engine.md#l2-config).
 
-Each answers from the default :class:`~lmcache.v1.distributed.l2_adapters.registry.L2AdapterRegistry`,
-which owns the types, factories, pending modules and entry-point results.
-For ``lmcache plugins``: ``describe_l2_adapter_types()`` and ``failed_l2_adapter_plugins()``.
+Every function named here is defined in ``lmcache.v1.distributed.compat_056`` and answers from
+the default :class:`~lmcache.v1.distributed.l2_adapters.registry.L2AdapterRegistry`, which owns
+the types, factories, pending modules and entry-point results; core code calls the registry.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from lmcache.v1.distributed.l2_adapters.hookspecs import L2AdapterFactory, L2AdapterTypeSpec
-from lmcache.v1.distributed.l2_adapters.registry import (
-    BUILTIN_MODULES,
-    default_l2_adapter_registry,
-)
+from lmcache.utils.lazy import lazy_attributes, lazy_dir
+from lmcache.v1.distributed.l2_adapters.hookspecs import L2AdapterFactory
+from lmcache.v1.distributed.l2_adapters.registry import BUILTIN_MODULES
 
 if TYPE_CHECKING:
-    from lmcache.v1.distributed.internal_api import L1MemoryDesc
-    from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface
-    from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
+    # Typed views of the names below; at run time __getattr__ imports them.
+    from lmcache.v1.distributed.compat_056 import (
+        add_pending_module,
+        create_l2_adapter_from_registry,
+        describe_l2_adapter_types,
+        ensure_adapter_loaded,
+        failed_l2_adapter_plugins,
+        get_all_registered_names,
+        load_all_adapters,
+        load_all_l2_adapter_types,
+        refresh_l2_adapter_plugins,
+        register_l2_adapter_factory,
+        register_l2_adapter_type_spec,
+    )
 
 __all__ = [
     "BUILTIN_MODULES",
@@ -37,52 +46,18 @@ __all__ = [
     "register_l2_adapter_type_spec",
 ]
 
+# Defined once, in the compat module (which imports the registry and this package's config);
+# a table, not an import, so that no cycle results.
+_LAZY: dict[str, tuple[str, str | None]] = {
+    name: ("lmcache.v1.distributed.compat_056", name)
+    for name in __all__
+    if name not in ("BUILTIN_MODULES", "L2AdapterFactory")
+}
 
-def register_l2_adapter_factory(name: str, fn: L2AdapterFactory) -> None:
-    default_l2_adapter_registry().register_factory(name, fn)
-
-
-def register_l2_adapter_type_spec(spec: L2AdapterTypeSpec) -> None:
-    """Register a type with its config class, factory and aliases (``PluginError`` if malformed)."""
-    default_l2_adapter_registry().register_spec(spec)
-
-
-def add_pending_module(path: str) -> None:
-    """Queue a module whose import registers adapter types (the 0.5.6 lazy mechanism)."""
-    default_l2_adapter_registry().add_pending_module(path)
-
-
-def ensure_adapter_loaded(name: str, raise_import_error: bool = True) -> None:
-    default_l2_adapter_registry().ensure_loaded(name, raise_import_error)
+# Hidden from type checkers: with a visible module __getattr__, mypy would accept any
+# misspelt name imported from this module as Any.
+if not TYPE_CHECKING:
+    __getattr__ = lazy_attributes(__name__, _LAZY)
 
 
-def load_all_l2_adapter_types() -> None:
-    default_l2_adapter_registry().load_all()
-
-
-load_all_adapters = load_all_l2_adapter_types  # 0.5.6's name
-
-
-def get_all_registered_names() -> list[str]:
-    return default_l2_adapter_registry().factory_names()
-
-
-def create_l2_adapter_from_registry(
-    cfg: L2AdapterConfigBase, l1_memory_desc: L1MemoryDesc | None = None
-) -> L2AdapterInterface:
-    return default_l2_adapter_registry().create(cfg, l1_memory_desc)
-
-
-def describe_l2_adapter_types() -> list[dict[str, Any]]:
-    """One dict per canonical type: name, aliases, source, distribution, version."""
-    return default_l2_adapter_registry().describe()
-
-
-def failed_l2_adapter_plugins() -> list[tuple[str, str, str]]:
-    """(entry-point name, value, reason) for each plugin that was skipped."""
-    return default_l2_adapter_registry().failed_plugins()
-
-
-def refresh_l2_adapter_plugins() -> None:
-    """Forget entry-point results and rescan (after installing a wheel at run time)."""
-    default_l2_adapter_registry().refresh()
+__dir__ = lazy_dir(globals(), _LAZY)

@@ -18,13 +18,9 @@ from lmcache.utils import init_logger
 from lmcache.v1.distributed.api import ObjectKey
 from lmcache.v1.distributed.internal_api import L1MemoryDesc
 from lmcache.v1.distributed.l2_adapters.base import L2TaskId
-from lmcache.v1.distributed.l2_adapters.config import (
-    L2AdapterConfigBase,
-    build_config_from_dict,
-    get_l2_adapter_config_class,
-)
-from lmcache.v1.distributed.l2_adapters.factory import create_l2_adapter_from_registry
+from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
 from lmcache.v1.distributed.l2_adapters.hookspecs import L2AdapterTypeSpec, hookimpl
+from lmcache.v1.distributed.l2_adapters.registry import default_l2_adapter_registry
 from lmcache.v1.distributed.l2_adapters.wrapping import WrappingL2Adapter
 from lmcache.v1.memory_management import MemoryObj
 
@@ -35,6 +31,8 @@ _BUCKETS = 1_000_000
 
 @dataclass
 class FaultInjectL2AdapterConfig(L2AdapterConfigBase):
+    type_name = "fault_inject"
+
     inner: L2AdapterConfigBase
     rate: float = 0.0
     seed: int = 0
@@ -68,8 +66,7 @@ class FaultInjectL2AdapterConfig(L2AdapterConfigBase):
             for r in tails
         ):
             raise ValueError("gap_tail_ratios must be a list of floats in [0, 1]")
-        inner_cls = get_l2_adapter_config_class(inner["type"])
-        inner_cfg = build_config_from_dict(inner_cls, inner)
+        inner_cfg = default_l2_adapter_registry().config_class(inner["type"]).from_options(inner)
         return cls(
             inner=inner_cfg,
             rate=float(rate),
@@ -120,7 +117,7 @@ class FaultInjectL2Adapter(WrappingL2Adapter):
     ) -> None:
         super().__init__()
         self._cfg = config
-        self._inner = create_l2_adapter_from_registry(config.inner, l1_memory_desc)
+        self._inner = default_l2_adapter_registry().create(config.inner, l1_memory_desc)
         self._load_keys: dict[int, list[ObjectKey]] = {}
         self._mu = threading.Lock()
         logger.warning(

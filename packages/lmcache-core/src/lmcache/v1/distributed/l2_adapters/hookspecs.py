@@ -58,7 +58,10 @@ __all__ = [
 
 @dataclass(frozen=True)
 class L2AdapterTypeSpec:
-    """One L2 type a wheel provides: its JSON ``type`` name, config class and factory."""
+    """One L2 type a wheel provides: its JSON ``type`` name, config class and factory.
+
+    The config class carries the same name in ``type_name`` (a class that declares none gets
+    it when the spec registers); creating an adapter reads it to find ``factory``."""
 
     name: str
     config_class: type[L2AdapterConfigBase]

@@ -41,6 +41,8 @@ def _positive_number(d: dict[str, Any], key: str) -> float:
 
 @dataclass
 class MockL2AdapterConfig(L2AdapterConfigBase):
+    type_name = "mock"
+
     max_size_gb: float
     mock_bandwidth_gb: float
 

@@ -43,6 +43,8 @@ REQUIRED_METHODS = (
 
 @dataclass
 class NativePluginL2AdapterConfig(L2AdapterConfigBase):
+    type_name = "native_plugin"
+
     module_path: str
     class_name: str
     adapter_params: dict[str, Any] = field(default_factory=dict)

@@ -54,6 +54,8 @@ def parse_plugin_location(d: dict[str, Any]) -> tuple[str, str, dict[str, Any]]:
 
 @dataclass
 class PluginL2AdapterConfig(L2AdapterConfigBase):
+    type_name = "plugin"
+
     module_path: str
     class_name: str
     adapter_params: dict[str, Any] = field(default_factory=dict)

@@ -1,24 +1,40 @@
 """The L2 adapter type registry: type names, their config classes and factories.
 
-An :class:`L2AdapterRegistry` owns every piece of that state. Types come from
+An :class:`L2AdapterRegistry` owns every piece of that state. This is the one place that
+says how a type arrives; there are four ways:
 
-1. core's built-in modules (``plugin``, ``native_plugin``, ``mock``, ``fault_inject``),
-   each a module of pluggy hook implementations, exactly like a wheel's;
-2. modules queued with :meth:`~L2AdapterRegistry.add_pending_module` (the 0.5.6 lazy
-   mechanism; importing one calls ``register_l2_adapter_type`` / ``..._factory``);
-3. entry points of group ``lmcache.l2_adapters`` (one pluggy ``PluginManager`` per
-   registry), loaded lazily, one at a time, sorted by name. A broken plugin is logged,
-   listed by :meth:`~L2AdapterRegistry.failed_plugins` and skipped; the rest stays usable.
+1. core's built-in modules (``plugin``, ``native_plugin``, ``mock``, ``fault_inject``,
+   :data:`BUILTIN_MODULES`), each a module of pluggy hook implementations, exactly like a
+   wheel's;
+2. entry points of group ``lmcache.l2_adapters`` (one pluggy ``PluginManager`` per
+   registry), each naming a hooks module whose ``lmcache_l2_adapter_types()`` returns
+   ``L2AdapterTypeSpec`` objects; loaded lazily, one at a time, sorted by name. A broken
+   plugin is logged, listed by :meth:`~L2AdapterRegistry.failed_plugins` and skipped; the
+   rest stays usable;
+3. modules queued with :meth:`~L2AdapterRegistry.add_pending_module` (0.5.6's lazy
+   mechanism: importing one registers its types the 0.5.6 way, below);
+4. 0.5.6's ``register_l2_adapter_type(name, config_class)`` plus
+   ``register_l2_adapter_factory(name, factory)``, called by third-party code
+   (:meth:`~L2AdapterRegistry.register_type` / :meth:`~L2AdapterRegistry.register_factory`).
 
-The functions of ``config`` and ``factory`` (0.5.6's names) answer from the default
-registry; tests build their own and install it with :func:`use_l2_adapter_registry`.
-This module imports neither of them, so ``config`` and ``factory`` import it one-way.
+Whichever way it came, a type's config class carries its name (``type_name``; a class that
+does not declare it gets it when it registers), so the configuration path is two calls:
+:meth:`~L2AdapterRegistry.parse` turns one ``--l2-adapter`` object into its typed config and
+:meth:`~L2AdapterRegistry.create` calls the factory of ``config.type_name``;
+:meth:`~L2AdapterRegistry.build` does both. ``lmcache server --help`` names the types with
+:meth:`~L2AdapterRegistry.names_without_plugins`, which imports no plugin.
+
+0.5.6's module-level functions answer from the default registry
+(``lmcache.v1.distributed.compat_056``); tests build their own registry and install it with
+:func:`use_l2_adapter_registry`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import difflib
 import importlib
+import json
 import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -26,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 import pluggy
 
 from lmcache.utils import init_logger
+from lmcache.v1.distributed.l2_adapters.config import GENERIC_FIELDS
 from lmcache.v1.distributed.l2_adapters.hookspecs import (
     ENTRY_POINT_GROUP,
     PROJECT_NAME,
@@ -93,6 +110,13 @@ def _check_spec(spec: Any) -> L2AdapterTypeSpec:
     return spec
 
 
+def _name_config_class(config_class: type[L2AdapterConfigBase], name: str) -> None:
+    """A config class carries its type name. One written for 0.5.6 (or an older wheel's)
+    does not declare it, so the first registration gives it; a declared name is kept."""
+    if not vars(config_class).get("type_name"):
+        config_class.type_name = name
+
+
 class L2AdapterRegistry:
     """Registered L2 adapter types; built-ins and plugins load on first use."""
 
@@ -135,6 +159,7 @@ class L2AdapterRegistry:
             if self._known(name):
                 raise DuplicateRegistrationError(f"L2 adapter type already registered: {name!r}")
             self._configs[name] = config_class
+            _name_config_class(config_class, name)
 
     def register_factory(self, name: str, factory: L2AdapterFactory) -> None:
         """0.5.6's ``register_l2_adapter_factory``: ``factory(config, l1_desc)`` builds ``name``."""
@@ -161,6 +186,7 @@ class L2AdapterRegistry:
                 )
                 return False
             self._configs[spec.name] = spec.config_class
+            _name_config_class(spec.config_class, spec.name)
             self._factories[spec.name] = spec.factory
             self._origins[spec.name] = origin
             for alias in spec.aliases:
@@ -318,7 +344,8 @@ class L2AdapterRegistry:
         return cls
 
     def type_name_for_config(self, cfg: L2AdapterConfigBase) -> str:
-        """The canonical type name whose config class is exactly ``type(cfg)``."""
+        """The canonical type name whose config class is exactly ``type(cfg)``, found by
+        scanning (0.5.6's ``get_type_name_for_config``; creation reads ``cfg.type_name``)."""
         cls = type(cfg)
         for attempt in range(2):
             with self._lock:
@@ -362,11 +389,62 @@ class L2AdapterRegistry:
         with self._lock:
             return tuple(sorted(a for a, c in self._aliases.items() if c == name))
 
+    # ---- the configuration path: parse, create, build ---------------------------------
+
+    def parse(self, spec: str | dict[str, Any], where: str = "--l2-adapter") -> L2AdapterConfigBase:
+        """One ``--l2-adapter`` object (its JSON text, or the object decoded) as its typed
+        config: the type's ``from_options`` (its own fields and the generic ones). Its class
+        carries the canonical type name (``config.type_name``), which :meth:`create` reads.
+
+        ``ValueError`` naming ``where`` (e.g. ``--l2-adapter #2``) on bad JSON, a missing
+        type, an unknown type (``UnknownL2AdapterTypeError``, listing the known ones) or a
+        field the type rejects (its help is logged)."""
+        if isinstance(spec, str):
+            try:
+                spec = json.loads(spec)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"Invalid JSON for {where}: {exc}") from exc
+        if not isinstance(spec, dict):
+            raise ValueError(f"{where}: expected a JSON object, got {type(spec).__name__}")
+        name = spec.get("type")
+        if name is None:  # as 0.5.6: an explicit null is a missing type
+            raise ValueError(f"{where}: missing 'type' field")
+        try:
+            cls = self.config_class(name) if isinstance(name, str) else None
+        except UnknownL2AdapterTypeError:
+            cls = None
+        if cls is None:
+            raise self.unknown_type_error(name, where=where)
+        try:
+            _warn_unknown_fields(where, name, cls, spec)
+            cfg = cls.from_options(spec)
+        except (TypeError, ValueError) as exc:
+            rule = "-" * 60
+            logger.error(
+                "Error parsing %s (type %r): %s\n%s\n%s\n%s",
+                where,
+                name,
+                exc,
+                rule,
+                cls.help(),
+                rule,
+            )
+            raise ValueError(f"{where} ({name!r}): {exc}") from exc
+        return cfg
+
     def create(
         self, cfg: L2AdapterConfigBase, l1_memory_desc: L1MemoryDesc | None = None
     ) -> L2AdapterInterface:
-        """Build the adapter ``cfg`` configures."""
-        name = self.type_name_for_config(cfg)
+        """Build the adapter ``cfg`` configures with the factory of ``cfg.type_name``."""
+        name = cfg.type_name
+        if not name:  # a 0.5.6-style class learns its name when its type registers
+            self.load_all()
+            name = cfg.type_name
+        if not name:
+            raise LMCacheConfigError(
+                f"Unregistered L2 adapter config type: {type(cfg).__name__} (register it with "
+                "register_l2_adapter_type or a lmcache_l2_adapter_types hook)"
+            )
         factory = self._factories.get(name)
         if factory is None:
             self.ensure_loaded(name, raise_import_error=False)
@@ -377,6 +455,16 @@ class L2AdapterRegistry:
                 f"registers it must also call register_l2_adapter_factory({name!r}, factory)"
             )
         return factory(cfg, l1_memory_desc)
+
+    def build(
+        self,
+        type_name: str,
+        options: dict[str, Any],
+        l1_memory_desc: L1MemoryDesc | None = None,
+    ) -> L2AdapterInterface:
+        """The adapter of type ``type_name`` configured by ``options`` (the other keys of an
+        ``--l2-adapter`` object): :meth:`parse` then :meth:`create`."""
+        return self.create(self.parse({**options, "type": type_name}), l1_memory_desc)
 
     def describe(self) -> list[dict[str, Any]]:
         """One dict per type with a factory: name, aliases, source, distribution, version."""
@@ -409,6 +497,19 @@ class L2AdapterRegistry:
         """Names of the entry points loaded or failed so far (loading is lazy)."""
         with self._lock:
             return set(self._entry_points_done)
+
+
+def _warn_unknown_fields(where: str, name: str, cls: type, spec: dict[str, Any]) -> None:
+    """Log each top-level key that neither the type (its ``known_fields``, when it declares
+    them) nor the generic fields know, with the closest known one; never reject it."""
+    known = getattr(cls, "known_fields", None)
+    if not known:
+        return
+    allowed = set(known) | GENERIC_FIELDS
+    for k in sorted(set(spec) - allowed):
+        close = difflib.get_close_matches(k, sorted(allowed), n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        logger.warning("%s (type %r): unknown field %r ignored%s", where, name, k, hint)
 
 
 # ---- the default registry ----------------------------------------------------------------
