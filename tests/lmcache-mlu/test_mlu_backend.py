@@ -413,21 +413,21 @@ def test_wheel_metadata_and_explicit_capabilities():
 def test_mp_gather_scatter_dispatch(ops, monkeypatch, fmt, hint):
     """The shared MP copy path (engine-driven worker) runs on MluDeviceOps with the
     arguments it really passes: per-layer tensors, flat ids, the layout from the hint."""
-    import lmcache.v1.multiprocess.transfer_context.base as base  # core: always installed
+    from lmcache.v1.multiprocess import kv_copy  # core: always installed
 
     # CPU tensors stand in for MLU ones: route the KV tensors' ops to the MLU backend
     # (raising=True: a renamed hook fails here instead of silently skipping).
-    monkeypatch.setattr(base, "_ops_for", lambda t: ops)
+    monkeypatch.setattr(kv_copy, "_ops_for", lambda t: ops)
     layers, originals = _layers(fmt, seed=3)
     hints = {"kv_layout": hint} if hint else None
     ids = [6, 2, 0, 5]
-    chunks = base.gather_paged_kv_to_cpu(layers, ids, T // BS, layout_hints=hints)
+    chunks = kv_copy.gather_paged_kv_to_cpu(layers, ids, T // BS, layout_hints=hints)
     want = _canonical(fmt, originals, ids, 2, 0, fill=0.0)
     for got, exp in zip(chunks, want, strict=True):
         assert torch.equal(got.view(torch.int16), exp.view(torch.int16))
     for t in layers:
         t.zero_()
-    base.scatter_cpu_to_paged_kv(
+    kv_copy.scatter_cpu_to_paged_kv(
         layers, ids, chunks, T // BS, skip_first_n_tokens=BS, layout_hints=hints
     )
     axis = 0 if fmt == F.NL_X_NB_BS_HS else 1

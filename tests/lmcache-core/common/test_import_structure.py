@@ -333,6 +333,35 @@ def test_layer_exceptions_are_still_needed():
     assert not stale, f"LAYER_EXCEPTIONS lists imports that no longer exist: {stale}"
 
 
+def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    """Every module ``start`` imports, directly or through others."""
+    seen: set[str] = set()
+    todo = [start]
+    while todo:
+        for nxt in graph.get(todo.pop(), ()):
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    return seen
+
+
+def test_one_copy_module_below_the_engine_and_the_worker_contexts():
+    """The paged KV copies live in one module both sides share: the server's engine and the
+    worker transfer contexts reach it, and it reaches neither of them."""
+    _, imports = collect_imports(CORE_SRC)
+    graph = import_graph(imports)
+    copy_module = "lmcache.v1.multiprocess.kv_copy"
+    sides = ("lmcache.v1.multiprocess.engine", "lmcache.v1.multiprocess.transfer_context")
+    above = sorted(m for m in reachable(graph, copy_module) if m.startswith(sides))
+    assert not above, f"{copy_module} imports the code that uses it: {above}"
+    for user in (
+        "lmcache.v1.multiprocess.engine.write_path",
+        "lmcache.v1.multiprocess.engine.read_path",
+        "lmcache.v1.multiprocess.transfer_context.worker_transfer",
+    ):
+        assert copy_module in reachable(graph, user), f"{user} does not use {copy_module}"
+
+
 # ---- the checkers catch what they must -------------------------------------------------------
 
 

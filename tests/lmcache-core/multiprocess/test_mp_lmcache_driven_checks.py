@@ -156,16 +156,16 @@ def test_cpu_kv_copies_of_every_worker_run_on_one_host_copy_thread(server, monke
     """Each worker's transfers run on its own affinity slot, but the server's copies of CPU
     KV all run on one thread: libgomp keeps a thread team per thread that ran a parallel
     copy, and more OpenMP threads than cores make every later copy wait for wake-ups."""
-    from lmcache.v1.multiprocess.transfer_context import base
+    from lmcache.v1.multiprocess import kv_copy
 
     copied_on: list[str] = []
     for name in ("gather_paged_kv_to_cpu", "scatter_cpu_to_paged_kv"):
 
-        def recording(*args, _real=getattr(base, name), **kwargs):
+        def recording(*args, _real=getattr(kv_copy, name), **kwargs):
             copied_on.append(threading.current_thread().name)
             return _real(*args, **kwargs)
 
-        monkeypatch.setattr(base, name, recording)
+        monkeypatch.setattr(kv_copy, name, recording)
     for worker in range(2):  # two clients: two affinity slots
         c = MPClient(f"tcp://127.0.0.1:{server.config.port}", default_timeout=20)
         kv = [torch.randn(2, 40, 16, 2, 8).half() for _ in range(2)]

@@ -13,7 +13,7 @@ from typing import ClassVar
 import pytest
 import torch
 
-from lmcache.v1.multiprocess.transfer_context import base
+from lmcache.v1.multiprocess import kv_copy
 from lmcache.v1.platform import torch_ops
 from lmcache.v1.platform.base.device_ops import DeviceOps
 
@@ -88,9 +88,9 @@ def test_gather_batches_pointers_and_copies_exactly(monkeypatch, ops_cls, batche
     block_ids = list(range(3, 3 + 10 * BPC))  # 10 chunks
     out = [torch.empty(2, NL, BPC * BS, NH * HS, dtype=torch.float16) for _ in range(10)]
     ops = ops_cls(kv + out)
-    monkeypatch.setattr(base, "_ops_for", lambda t: ops)
+    monkeypatch.setattr(kv_copy, "_ops_for", lambda t: ops)
 
-    base.gather_paged_kv_to_cpu(kv, block_ids, BPC, out=out)
+    kv_copy.gather_paged_kv_to_cpu(kv, block_ids, BPC, out=out)
 
     assert [n for n, _, _ in ops.calls] == batches
     # each call carries exactly the blocks of its own chunks, in order
@@ -107,9 +107,11 @@ def test_scatter_batches_pointers_and_honours_the_skipped_prefix(monkeypatch, sk
     dst = _kv(3)
     before = [t.clone() for t in dst]
     ops = PointerOps(dst + chunks)
-    monkeypatch.setattr(base, "_ops_for", lambda t: ops)
+    monkeypatch.setattr(kv_copy, "_ops_for", lambda t: ops)
 
-    base.scatter_cpu_to_paged_kv(dst, block_ids, chunks, BPC, skip_first_n_tokens=skip_blocks * BS)
+    kv_copy.scatter_cpu_to_paged_kv(
+        dst, block_ids, chunks, BPC, skip_first_n_tokens=skip_blocks * BS
+    )
 
     # batches of 4 chunks (8 blocks); a batch wholly inside the skipped prefix is not sent
     expected_calls = []
@@ -139,8 +141,8 @@ def test_tensor_mode_backend_gets_one_call_with_tensors(monkeypatch):
             seen.append((type(paged), len(objs)))
             torch_ops.multi_layer_block_kv_transfer(paged, objs, *rest)
 
-    monkeypatch.setattr(base, "_ops_for", lambda t: TensorOps())
-    out = base.gather_paged_kv_to_cpu(kv, list(range(12 * BPC)), BPC)
+    monkeypatch.setattr(kv_copy, "_ops_for", lambda t: TensorOps())
+    out = kv_copy.gather_paged_kv_to_cpu(kv, list(range(12 * BPC)), BPC)
     assert seen == [(list, 12)]
     assert torch.equal(out[11], _expected_chunk(kv, list(range(22, 24))))
 

@@ -9,7 +9,8 @@ Modules:
     payload_codec     copy-path payloads: restricted unpickler and raw_v1 (8.4)
     client            ``MPClient``: the DEALER request client used by workers and schedulers
     server            ``MPCacheServer``: ROUTER loop thread, pools, handlers
-    engine            ``CacheEngine``: the op handlers and server state, one module per area
+    engine            ``CacheEngine`` and its collaborators: the op handlers and server state
+    kv_copy           paged KV <-> host chunk copies, shared by the engine and the worker contexts
     http_api          FastAPI admin app (11), one module of routes per area
     transfer_context  worker-side transfer contexts and the mode router
     (docs/design/platform.md#transfer-modes)

@@ -9,20 +9,90 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from lmcache.utils import init_logger
+from lmcache.v1.distributed.api import (
+    GroupedObjectKeys,
+    MemoryLayoutDesc,
+    ObjectKey,
+    PrefetchHandle,
+    PrefetchResult,
+    PrefetchTaskSpec,
+)
+from lmcache.v1.distributed.internal_api import L1Error, L1ManagerListener, L1OperationResult
+from lmcache.v1.memory_management import MemoryObj
 
 logger = init_logger(__name__)
 
 _WRITER_TAG = "storage_manager"
 
 
+class L1Store(Protocol):
+    """The operations of one L1 manager (``distributed.l1_manager.L1Manager``) the server
+    uses: batch calls with an outcome per key."""
+
+    def reserve_write(
+        self,
+        keys: list[ObjectKey],
+        is_temporary: list[bool],
+        layout_desc: MemoryLayoutDesc,
+        tag: str = "",
+    ) -> dict[ObjectKey, L1OperationResult]: ...
+
+    def finish_write(self, keys: list[ObjectKey], tag: str = "") -> dict[ObjectKey, L1Error]: ...
+
+    def finish_write_and_delete(
+        self, keys: list[ObjectKey], tag: str = ""
+    ) -> dict[ObjectKey, L1Error]: ...
+
+    def unsafe_read(self, keys: list[ObjectKey]) -> dict[ObjectKey, L1OperationResult]: ...
+
+    def finish_read(
+        self, keys: list[ObjectKey], read_locks: int = 1
+    ) -> dict[ObjectKey, L1Error]: ...
+
+    def touch_keys(self, keys: list[ObjectKey]) -> None: ...
+
+    def clear(self, force: bool = False) -> int: ...
+
+    def get_memory_usage(self) -> tuple[int, int]: ...
+
+    def get_staging_memory_usage(self) -> int: ...
+
+    def register_listener(self, listener: L1ManagerListener) -> None: ...
+
+
+class StorageEngine(Protocol):
+    """The operations of the storage engine (``distributed.storage_manager.StorageManager``)
+    the server uses: lookups over L1 and L2 (prefetch tasks), its L1, status and health."""
+
+    def submit_prefetch_task(
+        self, spec: PrefetchTaskSpec, external_request_id: str = "", skip_l2: bool = False
+    ) -> PrefetchHandle: ...
+
+    def lookup_prefix_in_l1(self, rows: list[list[ObjectKey]], readers: int) -> int | None: ...
+
+    def query_prefetch_status(self, handle: PrefetchHandle) -> PrefetchResult | None: ...
+
+    def wait_prefetch_status(
+        self, handle: PrefetchHandle, timeout: float | None = None
+    ) -> bool: ...
+
+    def get_l1_manager(self, index: int = 0) -> L1Store: ...
+
+    def report_status(self) -> dict[str, Any]: ...
+
+    def health_reasons(self) -> list[str]: ...
+
+    def close(self) -> None: ...
+
+
 @dataclass
 class ReserveOutcome:
-    objs: dict[Any, Any]  # key -> MemoryObj (new reservations of this writer)
-    already: list[Any]  # resident, or being written by another writer: counts as done
-    failed: list[Any]  # could not be allocated (L1 full)
+    objs: dict[ObjectKey, MemoryObj]  # new reservations of this writer
+    already: list[ObjectKey]  # resident, or being written by another writer: counts as done
+    failed: list[ObjectKey]  # could not be allocated (L1 full)
 
 
 @dataclass
@@ -33,62 +103,61 @@ class LookupOutcome:
 
 
 class StorageBridge:
-    def __init__(self, storage_manager: Any) -> None:
-        from lmcache.v1.distributed.api import (
-            GroupedObjectKeys,
-            PrefetchTaskSpec,
-        )
-        from lmcache.v1.distributed.internal_api import L1Error
-
+    def __init__(self, storage_manager: StorageEngine) -> None:
         self.sm = storage_manager
-        self.l1 = _first_l1_manager(storage_manager)
-        self._L1Error = L1Error
-        self._Grouped = GroupedObjectKeys
-        self._Spec = PrefetchTaskSpec
+        self.l1: L1Store = storage_manager.get_l1_manager(0)  # the server has one L1
         self._clear_lock = threading.Lock()
 
     # -- writes -------------------------------------------------------------
-    def reserve_write(self, keys: list[Any], layout: Any) -> ReserveOutcome:
+    def reserve_write(self, keys: list[ObjectKey], layout: MemoryLayoutDesc) -> ReserveOutcome:
         if not keys:
             return ReserveOutcome({}, [], [])
         res = self.l1.reserve_write(keys, [False] * len(keys), layout, _WRITER_TAG)
-        objs, already, failed = {}, [], []
+        objs: dict[ObjectKey, MemoryObj] = {}
+        already: list[ObjectKey] = []
+        failed: list[ObjectKey] = []
         for k in keys:
-            err, obj = res.get(k, (self._L1Error.OUT_OF_MEMORY, None))
-            if err == self._L1Error.SUCCESS and obj is not None:
+            err, obj = res.get(k, (L1Error.OUT_OF_MEMORY, None))
+            if err == L1Error.SUCCESS and obj is not None:
                 objs[k] = obj
-            elif err == self._L1Error.OUT_OF_MEMORY:
+            elif err == L1Error.OUT_OF_MEMORY:
                 failed.append(k)
             else:
                 already.append(k)
         return ReserveOutcome(objs, already, failed)
 
-    def finish_write(self, keys: list[Any]) -> list[Any]:
+    def finish_write(self, keys: list[ObjectKey]) -> list[ObjectKey]:
         """Admit reservations; returns the keys that could not be admitted (expired)."""
         if not keys:
             return []
         res = self.l1.finish_write(keys, _WRITER_TAG)
-        return [k for k in keys if res.get(k) != self._L1Error.SUCCESS]
+        return [k for k in keys if res.get(k) != L1Error.SUCCESS]
 
-    def abort_write(self, keys: list[Any]) -> None:
+    def abort_write(self, keys: list[ObjectKey]) -> None:
         """Discard reservations: the staging objects are freed and never become visible."""
         if keys:
             self.l1.finish_write_and_delete(keys, _WRITER_TAG)
 
     # -- lookups and reads ---------------------------------------------------------
     def submit_lookup(
-        self, rows: list[list[Any]], layout: Any, num_kv_readers: int, request_id: str
-    ) -> Any:
+        self,
+        rows: list[list[ObjectKey]],
+        layout: MemoryLayoutDesc,
+        num_kv_readers: int,
+        request_id: str,
+    ) -> PrefetchHandle:
         groups = [
-            self._Grouped(keys=row, object_group_id=row[0].object_group_id, layout_desc=layout)
+            GroupedObjectKeys(keys=row, object_group_id=row[0].object_group_id, layout_desc=layout)
             for row in rows
         ]
-        spec = self._Spec(key_groups=groups, num_kv_readers=num_kv_readers)
+        spec = PrefetchTaskSpec(key_groups=groups, num_kv_readers=num_kv_readers)
         # Callers try lookup_l1_now first, which serves every lookup the single L1 alone can
         # answer; what reaches here needs the L2 path (or spans several L1 managers).
         return self.sm.submit_prefetch_task(spec, external_request_id=request_id)
 
-    def lookup_l1_now(self, rows: list[list[Any]], num_kv_readers: int) -> LookupOutcome | None:
+    def lookup_l1_now(
+        self, rows: list[list[ObjectKey]], num_kv_readers: int
+    ) -> LookupOutcome | None:
         """The lookup answered synchronously from L1 when nothing else could add to it (one
         L1; no L2 adapter, or every key resident), its hit prefix read-locked; else None."""
         hit = self.sm.lookup_prefix_in_l1(rows, num_kv_readers)
@@ -96,10 +165,10 @@ class StorageBridge:
             return None
         return LookupOutcome(hit, hit * len(rows), 0)
 
-    def wait_lookup(self, handle: Any, timeout: float) -> bool:
+    def wait_lookup(self, handle: PrefetchHandle, timeout: float) -> bool:
         return bool(self.sm.wait_prefetch_status(handle, timeout))
 
-    def lookup_result(self, handle: Any, n_chunks: int) -> LookupOutcome:
+    def lookup_result(self, handle: PrefetchHandle, n_chunks: int) -> LookupOutcome:
         result = self.sm.query_prefetch_status(handle)
         if result is None:
             return LookupOutcome(0, 0, 0)
@@ -109,24 +178,24 @@ class StorageBridge:
         l2 = sum(_prefix_pop(r, hit) for r in (result.l2_hit_cells or []))
         return LookupOutcome(hit, l1, l2)
 
-    def read_locked(self, keys: list[Any]) -> list[Any] | None:
+    def read_locked(self, keys: list[ObjectKey]) -> list[MemoryObj] | None:
         """The MemoryObjs of read-locked keys, or None when any key is missing/unlocked."""
         if not keys:
             return []
         res = self.l1.unsafe_read(keys)
-        out = []
+        out: list[MemoryObj] = []
         for k in keys:
             err, obj = res.get(k, (None, None))
-            if err != self._L1Error.SUCCESS or obj is None:
+            if err != L1Error.SUCCESS or obj is None:
                 return None
             out.append(obj)
         return out
 
-    def release_read(self, keys: list[Any], shares: int = 1) -> None:
+    def release_read(self, keys: list[ObjectKey], shares: int = 1) -> None:
         if keys and shares > 0:
             self.l1.finish_read(keys, shares)
 
-    def touch(self, keys: list[Any]) -> None:
+    def touch(self, keys: list[ObjectKey]) -> None:
         if keys:
             self.l1.touch_keys(keys)
 
@@ -139,9 +208,8 @@ class StorageBridge:
         return self.l1.get_memory_usage()
 
     def staging_bytes(self) -> int:
-        fn = getattr(self.l1, "get_staging_memory_usage", None)
         try:
-            return int(fn()) if fn else 0
+            return int(self.l1.get_staging_memory_usage())
         except Exception:
             return 0
 
@@ -179,15 +247,3 @@ def _prefix_pop(bitmap: Any, n: int) -> int:
     """Set bits among the first ``n``."""
     n = min(n, bitmap.size())
     return (bitmap.to_int() & ((1 << n) - 1)).bit_count() if n > 0 else 0
-
-
-def _first_l1_manager(sm: Any) -> Any:
-    for attr in ("l1_manager", "_l1_manager"):
-        m = getattr(sm, attr, None)
-        if m is not None:
-            return m
-    for attr in ("l1_managers", "_l1_managers"):
-        ms = getattr(sm, attr, None)
-        if ms:
-            return ms[0] if isinstance(ms, list | tuple) else next(iter(ms.values()))
-    raise RuntimeError("StorageManager exposes no L1 manager (expected .l1_manager)")

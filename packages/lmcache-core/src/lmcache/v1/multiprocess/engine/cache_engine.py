@@ -1,39 +1,39 @@
-"""``CacheEngine``: the server state, the op table, lifecycle and status. Each op's
-handler lives in the mixin of its area (instances, lookup, write_path, read_path,
-janitor); ``CacheEngine`` combines them."""
+"""``CacheEngine``: builds the engine's collaborators and wires them, owns the op table,
+lifecycle and status.
+
+The collaborators, each with its own state: ``LayoutTable`` (registered chunk layouts),
+``SessionKeys`` (sessions, their keys, lookups and read shares), ``InstanceRegistry``
+(registered workers, liveness), ``HostKVCopier`` (the server's KV copies), ``WritePath``,
+``ReadPath`` and ``Janitor`` (cleaner and reaper threads). Each op handler is a method of
+the collaborator of its area; ``handlers`` maps op names to them."""
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from lmcache.v1.multiprocess import protocol as P
 from lmcache.v1.multiprocess.config import MPServerConfig
-from lmcache.v1.multiprocess.engine.instances import InstancesMixin
-from lmcache.v1.multiprocess.engine.janitor import JanitorMixin
-from lmcache.v1.multiprocess.engine.lookup import LookupMixin
-from lmcache.v1.multiprocess.engine.read_path import ReadPathMixin
-from lmcache.v1.multiprocess.engine.state import (
+from lmcache.v1.multiprocess.engine.host_copy import HostKVCopier
+from lmcache.v1.multiprocess.engine.instances import InstanceRegistry
+from lmcache.v1.multiprocess.engine.janitor import Janitor
+from lmcache.v1.multiprocess.engine.layouts import LayoutTable
+from lmcache.v1.multiprocess.engine.read_path import ReadPath
+from lmcache.v1.multiprocess.engine.records import (
     BOOKKEEPING_OPS,
     ENGINE_DRIVEN,
     LMCACHE_DRIVEN,
     Instance,
-    Layout,
-    Parker,
-    PendingRead,
     RequestContext,
-    dtype_name,
 )
-from lmcache.v1.multiprocess.engine.write_path import WritePathMixin
+from lmcache.v1.multiprocess.engine.session_keys import SessionKeys
+from lmcache.v1.multiprocess.engine.write_path import WritePath
 from lmcache.v1.multiprocess.metrics import ServerMetrics
-from lmcache.v1.multiprocess.sessions import SessionTable
 from lmcache.v1.multiprocess.storage_bridge import StorageBridge
-from lmcache.v1.multiprocess.token_hasher import PrefixHashMemo
+from lmcache.v1.platform.base.ipc_wrapper import dtype_name
 
 
-class CacheEngine(InstancesMixin, LookupMixin, WritePathMixin, ReadPathMixin, JanitorMixin):
+class CacheEngine:
     def __init__(
         self,
         config: MPServerConfig,
@@ -51,44 +51,52 @@ class CacheEngine(InstancesMixin, LookupMixin, WritePathMixin, ReadPathMixin, Ja
         self.shm_name = shm_name
         self.shm_pool_size = shm_pool_size
         self.shm_disabled_reason = shm_disabled_reason
-        self.sessions = SessionTable(
-            config.session_ttl_seconds, config.max_sessions, self._evict_sessions
+        self.layouts = LayoutTable()
+        self.session_keys = SessionKeys(config, storage, metrics, self.layouts)
+        self.registry = InstanceRegistry(
+            config,
+            storage,
+            metrics,
+            self.layouts,
+            self.session_keys,
+            shm_name=shm_name,
+            shm_pool_size=shm_pool_size,
+            shm_disabled_reason=shm_disabled_reason,
         )
-        self.hash_memo = PrefixHashMemo(self.cs)
-        self.layouts: dict[tuple[str, int], Layout] = {}
-        self.instances: dict[int, Instance] = {}
-        self._lock = threading.RLock()
-        # Reads of dropped workers whose lease is still running: (lease end, read)
-        self._leased_reads: list[tuple[float, PendingRead]] = []
-        self._warned_early_exit: set[tuple[str, int]] = set()
-        self._lookup_waiters = ThreadPoolExecutor(8, thread_name_prefix="mp-lookup-wait")
-        # The copies between L1 and the CPU KV caches of lmcache_driven workers all run on
-        # this one thread (see _copy_host_kv).
-        self._host_copier = ThreadPoolExecutor(1, thread_name_prefix="mp-host-copy")
-        self._parker = Parker()
-        self._stop = threading.Event()
-        self._threads: list[threading.Thread] = []
+        self.copier = HostKVCopier(metrics)
+        self.write_path = WritePath(
+            config, storage, metrics, self.registry, self.layouts, self.session_keys, self.copier
+        )
+        self.read_path = ReadPath(
+            config, storage, metrics, self.registry, self.layouts, self.session_keys, self.copier
+        )
+        self.janitor = Janitor(config, metrics, self.registry, self.session_keys)
+        # The tables others read: the registered workers by id, the sessions.
+        self.instances: dict[int, Instance] = self.registry.instances
+        self.sessions = self.session_keys.sessions
         self.features = list(P.SUPPORTED_FEATURES)
         self.block_allocation_reports = 0
+        keys, registry = self.session_keys, self.registry
+        writes, reads = self.write_path, self.read_path
         self.handlers: dict[str, Callable[..., Any]] = {
-            "register_kv_cache": self.register_kv_cache,
-            "unregister_kv_cache": self.unregister_instance,
-            "register_kv_cache_engine_driven_context": self.register_engine_driven,
-            "unregister_kv_cache_engine_driven_context": self.unregister_instance,
-            "store": self.store,
-            "retrieve": self.retrieve,
-            "lookup": self.lookup,
-            "query_prefetch_status": self.query_prefetch_status,
-            "wait_prefetch_status": self.wait_prefetch_status,
-            "free_lookup_locks": self.free_lookup_locks,
-            "end_session": self.end_session,
-            "prepare_store": self.prepare_store,
-            "commit_store": self.commit_store,
-            "prepare_retrieve": self.prepare_retrieve,
-            "commit_retrieve": self.commit_retrieve,
+            "register_kv_cache": registry.register_kv_cache,
+            "unregister_kv_cache": registry.unregister_instance,
+            "register_kv_cache_engine_driven_context": registry.register_engine_driven,
+            "unregister_kv_cache_engine_driven_context": registry.unregister_instance,
+            "store": writes.store,
+            "retrieve": reads.retrieve,
+            "lookup": keys.lookup,
+            "query_prefetch_status": keys.query_prefetch_status,
+            "wait_prefetch_status": keys.wait_prefetch_status,
+            "free_lookup_locks": keys.free_lookup_locks,
+            "end_session": keys.end_session,
+            "prepare_store": writes.prepare_store,
+            "commit_store": writes.commit_store,
+            "prepare_retrieve": reads.prepare_retrieve,
+            "commit_retrieve": reads.commit_retrieve,
             "clear": self.clear,
             "get_chunk_size": lambda ctx: self.cs,
-            "ping": self.ping,
+            "ping": registry.ping,
             "report_block_allocation": self.report_block_allocation,
             "noop": lambda ctx: "OK",
             "get_experimental": lambda ctx: list(self.features),
@@ -110,54 +118,52 @@ class CacheEngine(InstancesMixin, LookupMixin, WritePathMixin, ReadPathMixin, Ja
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
-        for name, fn in (("mp-session-cleaner", self._clean_loop), ("mp-reaper", self._reap_loop)):
-            t = threading.Thread(target=fn, name=name, daemon=True)
-            t.start()
-            self._threads.append(t)
+        self.janitor.start()
 
     def stop(self) -> None:
-        self._stop.set()
-        self._parker.stop()
-        for t in self._threads:
-            t.join(timeout=5)
-        self._lookup_waiters.shutdown(wait=False, cancel_futures=True)
-        self._host_copier.shutdown(wait=False, cancel_futures=True)
-        for inst_id in list(self.instances):
-            self._drop_instance(inst_id, reason="shutdown")
+        self.session_keys.stop()
+        self.janitor.stop()
+        self.copier.stop()
+        self.registry.drop_all(reason="shutdown")
 
-    # ------------------------------------------------------------------ helpers
-    def _copy_host_kv(self, inst: Instance, copy: Callable[..., Any], *args: Any, **kw: Any) -> Any:
-        """``copy(inst.kv_caches, *args, **kw)`` (a gather or scatter of the worker's KV): on
-        the host-copy thread when the KV caches are CPU tensors, else (device copies on the
-        slot's stream) in the calling thread.
+    # ------------------------------------------------------------------ for the HTTP API
+    def copy_host_kv(self, inst: Instance, copy: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+        """``copy(inst.kv_caches, *args, **kw)`` where the server's own KV copies run
+        (``HostKVCopier.run``)."""
+        return self.copier.run(inst, copy, *args, **kw)
 
-        torch splits each of a request's many small CPU copies over OpenMP threads, and
-        libgomp keeps a thread team per thread that ever ran a parallel region. Once a
-        process has more OpenMP threads than cores, libgomp's workers stop spinning between
-        regions (100 spins instead of 300000, GOMP_SPINCOUNT), so every copy waits for a
-        worker to be woken. With each affinity slot copying for itself, a 64 MiB
-        lmcache_driven store took 12-13 ms until a second slot had copied, 22-26 ms after
-        (2 cores, server-side gather 5.9 then ~3 GB/s); one copying thread keeps one team.
-        """
-        if not inst.kv_caches or inst.kv_caches[0].device.type != "cpu":
-            return copy(inst.kv_caches, *args, **kw)
-        return self._host_copier.submit(copy, inst.kv_caches, *args, **kw).result()
+    def clean_period(self) -> float:
+        return self.janitor.clean_period()
+
+    def reap_period(self) -> float:
+        return self.janitor.reap_period()
+
+    def clean_once(self) -> None:
+        self.janitor.clean_once()
+
+    def reap_once(self) -> list[int]:
+        return self.janitor.reap_once()
 
     # ------------------------------------------------------------------ maintenance
-    def clear(self, ctx: RequestContext, force: bool = False):
+    def clear(self, ctx: RequestContext, force: bool = False) -> None:
         self.storage.clear(bool(force))
         return None
 
     def report_block_allocation(
-        self, ctx: RequestContext, instance_id=None, model_name=None, records=None
-    ):
+        self,
+        ctx: RequestContext,
+        instance_id: Any = None,
+        model_name: Any = None,
+        records: Any = None,
+    ) -> None:
         self.block_allocation_reports += 1
         self.metrics.inc("lmcache_mp_report_block_allocation")
         return None
 
     # ------------------------------------------------------------------ status
     def status(self) -> dict[str, Any]:
-        gpu, non_cuda = {}, {}
+        gpu: dict[str, dict[str, Any]] = {}
+        non_cuda: dict[str, dict[str, Any]] = {}
         for iid, inst in list(self.instances.items()):
             meta = {
                 "mode": inst.mode,
@@ -188,6 +194,6 @@ class CacheEngine(InstancesMixin, LookupMixin, WritePathMixin, ReadPathMixin, Ja
                     "dtype": dtype_name(lay.dtype),
                     "refcount": lay.refcount,
                 }
-                for (m, ws), lay in list(self.layouts.items())
+                for (m, ws), lay in self.layouts.items()
             },
         }

@@ -1,8 +1,10 @@
-"""Worker registration of ``CacheEngine``: both transfer modes' register/unregister ops,
-the shared layouts, liveness pings, and the release of a dropped worker's pending reads."""
+"""``InstanceRegistry``: the registered workers of both transfer modes (their register and
+unregister ops, liveness pings), their staged transfers when they go, and the layouts they
+acquire."""
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -10,27 +12,60 @@ import torch
 
 from lmcache.utils import init_logger
 from lmcache.v1.multiprocess import protocol as P
-from lmcache.v1.multiprocess.engine.state import (
+from lmcache.v1.multiprocess.config import MPServerConfig
+from lmcache.v1.multiprocess.engine.layouts import LayoutTable
+from lmcache.v1.multiprocess.engine.records import (
     ENGINE_DRIVEN,
     LMCACHE_DRIVEN,
     MODE_FIX,
     Instance,
-    Layout,
-    PendingRead,
     RequestContext,
     close_all,
-    dtype_name,
+    kv_device,
     request_dtype,
 )
+from lmcache.v1.multiprocess.engine.session_keys import SessionKeys
+from lmcache.v1.multiprocess.kv_copy import kv_geometry
+from lmcache.v1.multiprocess.metrics import ServerMetrics
 from lmcache.v1.multiprocess.protocol import ErrorCode, RequestError
+from lmcache.v1.multiprocess.storage_bridge import StorageBridge
+from lmcache.v1.platform.base.ipc_wrapper import dtype_name
 
 logger = init_logger(__name__)
 
 
-class InstancesMixin:
-    """Part of ``CacheEngine`` (its state is set in ``CacheEngine.__init__``)."""
+class InstanceRegistry:
+    """Registered workers by instance id; registrations and removals change the table under
+    its lock, requests read it without (single dict operations)."""
 
-    def _instance(self, instance_id: int, mode: str) -> Instance:
+    def __init__(
+        self,
+        config: MPServerConfig,
+        storage: StorageBridge,
+        metrics: ServerMetrics,
+        layouts: LayoutTable,
+        session_keys: SessionKeys,
+        *,
+        shm_name: str = "",
+        shm_pool_size: int = 0,
+        shm_disabled_reason: str = "",
+    ) -> None:
+        self.config = config
+        self.cs = config.chunk_size
+        self.storage = storage
+        self.metrics = metrics
+        self.layouts = layouts
+        self.session_keys = session_keys
+        self.shm_name = shm_name
+        self.shm_pool_size = shm_pool_size
+        self.shm_disabled_reason = shm_disabled_reason
+        self.instances: dict[int, Instance] = {}
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ lookups of requests
+    def require(self, instance_id: int, mode: str) -> Instance:
+        """The instance a transfer names, registered for ``mode`` (``RequestError``
+        NOT_REGISTERED otherwise); the request counts as a liveness signal."""
         inst = self.instances.get(instance_id)
         if inst is None or inst.mode != mode:
             raise RequestError(
@@ -40,7 +75,19 @@ class InstancesMixin:
         inst.last_seen = time.monotonic()
         return inst
 
-    def _require_mode(self, mode: str) -> None:
+    def lmcache_driven(self, instance_id: int, submitted_metric: str) -> Instance | None:
+        """The lmcache_driven instance ``instance_id`` (None if there is none), counting the
+        request in ``submitted_metric`` either way."""
+        inst = self.instances.get(instance_id)
+        if inst is None or inst.mode != LMCACHE_DRIVEN:
+            self.metrics.inc(submitted_metric, device="unknown")
+            return None
+        self.metrics.inc(submitted_metric, device=kv_device(inst))
+        inst.last_seen = time.monotonic()
+        return inst
+
+    def require_mode(self, mode: str) -> None:
+        """``RequestError`` MODE_NOT_ENABLED unless this server takes ``mode`` transfers."""
         enabled = (
             self.config.engine_driven_enabled
             if mode == ENGINE_DRIVEN
@@ -59,6 +106,10 @@ class InstancesMixin:
                 f"{mode} transfers are not enabled on this server; {MODE_FIX}",
             )
 
+    def all(self) -> list[Instance]:
+        """A snapshot of the registered instances."""
+        return list(self.instances.values())
+
     def _check_chunk_fits(self, shape: tuple[int, ...], dtype: torch.dtype) -> None:
         """A layout whose one chunk does not fit in L1 could never be stored: refuse it."""
         nbytes = dtype.itemsize
@@ -74,43 +125,14 @@ class InstancesMixin:
                 f"{-(-nbytes // (1 << 30))} (or a smaller --chunk-size)",
             )
 
-    def _layout_acquire(
-        self, key: tuple[str, int], shape: tuple[int, ...], dtype: torch.dtype
-    ) -> None:
-        from lmcache.v1.distributed.api import MemoryLayoutDesc
-
-        with self._lock:
-            lay = self.layouts.get(key)
-            if lay is None or lay.shape != shape or lay.dtype != dtype:
-                if lay is not None and lay.refcount > 0:
-                    logger.warning(
-                        "layout of model %r world_size %d changes from %s %s to %s %s",
-                        key[0],
-                        key[1],
-                        lay.shape,
-                        lay.dtype,
-                        shape,
-                        dtype,
-                    )
-                desc = MemoryLayoutDesc(shapes=[torch.Size(shape)], dtypes=[dtype])
-                refs = lay.refcount if lay is not None else 0
-                lay = Layout(key[0], key[1], shape, dtype, desc, refs)
-                self.layouts[key] = lay
-            lay.refcount += 1
-
-    def _layout_release(self, key: tuple[str, int]) -> None:
-        with self._lock:
-            lay = self.layouts.get(key)
-            if lay is not None and lay.refcount > 0:
-                lay.refcount -= 1  # dormant at 0: lookups keep working across restarts
-
     # ------------------------------------------------------------------ registration
     def register_engine_driven(
         self, ctx: RequestContext, payload: P.RegisterEngineDrivenContextPayload
-    ):
-        self._require_mode(ENGINE_DRIVEN)
+    ) -> dict[str, Any]:
+        self.require_mode(ENGINE_DRIVEN)
         dtype = request_dtype(payload.dtype_str)
         slots = payload.num_physical_slots or self.cs
+        shape: tuple[int, ...]
         if payload.use_mla:
             shape = (payload.num_layers, slots, payload.hidden_dim_size)
         else:
@@ -165,10 +187,8 @@ class InstancesMixin:
         engine_type: str = "vllm",
         layout_hints: dict | None = None,
         engine_group_infos: list | None = None,
-    ):
-        self._require_mode(LMCACHE_DRIVEN)
-        from lmcache.v1.multiprocess.transfer_context.base import kv_geometry
-
+    ) -> None:
+        self.require_mode(LMCACHE_DRIVEN)
         wrappers = list(kv_cache or [])
         if not wrappers:
             raise RequestError(
@@ -263,26 +283,23 @@ class InstancesMixin:
             if same:  # idempotent: refresh liveness only
                 old.last_seen = time.monotonic()
                 return
-            self._drop_instance(inst.instance_id, reason="re-registered")
-        self._layout_acquire(inst.layout_key, shape, dtype)
+            self.drop(inst.instance_id, reason="re-registered")
+        self.layouts.acquire(inst.layout_key, shape, dtype)
         with self._lock:
             self.instances[inst.instance_id] = inst
 
-    def unregister_instance(self, ctx: RequestContext | None, instance_id: int):
-        self._drop_instance(instance_id, reason="unregistered")
+    def unregister_instance(self, ctx: RequestContext | None, instance_id: int) -> None:
+        self.drop(instance_id, reason="unregistered")
         return None
 
-    def _drop_instance(self, instance_id: int, reason: str) -> Instance | None:
+    def drop(self, instance_id: int, reason: str) -> Instance | None:
+        """Remove a worker: its unfinished stores are aborted, its pending SHM reads released
+        (after their lease), its KV cache handles closed and its layout released."""
         with self._lock:
             inst = self.instances.pop(instance_id, None)
         if inst is None:
             return None
-        with inst.lock:
-            reservations, inst.reservations = inst.reservations, {}
-            reads, inst.pending_reads = inst.pending_reads, {}
-        for res in reservations.values():
-            self.storage.abort_write(list(res.objs))  # never admit half-written data (9.2)
-        self._release_after_lease(list(reads.values()))
+        self.release_staging(inst)
         if inst.cache_context is not None:
             try:
                 inst.cache_context.close()
@@ -290,39 +307,49 @@ class InstancesMixin:
                 pass
         inst.kv_caches = []
         close_all(inst.wrappers)
-        self._layout_release(inst.layout_key)
+        self.layouts.release(inst.layout_key)
         logger.info("Instance %d (%s) removed: %s", instance_id, inst.mode, reason)
         return inst
 
-    def _release_after_lease(self, reads: list[PendingRead]) -> None:
-        """Release a dropped worker's share of its pending SHM reads once their lease ends
-        (a failed read's at once: nothing copies from it): a worker whose copy finished
-        within the lease did not wait for commit_retrieve, so its slots must not be reused
-        before then. Through the session's share count, as commit_retrieve does, so a share
-        that end_session already released is not released again."""
-        lease = self.config.retrieve_lease_seconds
-        now = time.monotonic()
-        for read in reads:
-            if read.copying and lease > 0 and now < read.prepared + lease:
-                with self._lock:
-                    self._leased_reads.append((read.prepared + lease, read))
-            else:
-                self._finish_read(read)
+    def drop_all(self, reason: str) -> None:
+        for instance_id in list(self.instances):
+            self.drop(instance_id, reason)
 
-    def _release_expired_leases(self) -> None:
-        now = time.monotonic()
+    def release_staging(self, inst: Instance) -> tuple[int, int]:
+        """Abort the unfinished stores of ``inst`` (never admit half-written data, 9.2) and
+        release its pending SHM reads once their lease ends; (stores, reads) released."""
+        with inst.lock:
+            if not inst.reservations and not inst.pending_reads:
+                return 0, 0
+            reservations, inst.reservations = inst.reservations, {}
+            reads, inst.pending_reads = inst.pending_reads, {}
+        for res in reservations.values():
+            self.storage.abort_write(list(res.objs))
+        self.session_keys.release_after_lease(list(reads.values()))
+        return len(reservations), len(reads)
+
+    def abort_stale_reservations(self, cutoff: float) -> None:
+        """Abort the unfinished stores reserved before ``cutoff`` (monotonic time)."""
+        for inst in self.all():
+            with inst.lock:
+                old = [k for k, r in inst.reservations.items() if r.created < cutoff]
+                gone = [inst.reservations.pop(k) for k in old]
+            for r in gone:
+                self.storage.abort_write(list(r.objs))
+
+    def silent(self, now: float, pinged_limit: float, unpinged_limit: float) -> list[int]:
+        """The ids of instances without a liveness signal for longer than their limit: a
+        worker that ever pinged gets ``pinged_limit`` seconds, one that never did
+        ``unpinged_limit`` (a limit of 0 never expires)."""
+        victims = []
         with self._lock:
-            due = [read for end, read in self._leased_reads if end <= now]
-            self._leased_reads = [r for r in self._leased_reads if r[0] > now]
-        for read in due:
-            self._finish_read(read)
+            for inst in self.instances.values():
+                limit = pinged_limit if inst.pinged else unpinged_limit
+                if limit > 0 and now - inst.last_seen > limit:
+                    victims.append(inst.instance_id)
+        return victims
 
-    def _finish_read(self, read: PendingRead) -> None:
-        self._release_worker_shares(read.session, read.key, read.keys)
-        if read.copying:
-            self._retrieve_done(read.session)
-
-    def ping(self, ctx: RequestContext, instance_id: int | None = None):
+    def ping(self, ctx: RequestContext, instance_id: int | None = None) -> bool:
         if instance_id is not None:
             inst = self.instances.get(instance_id)
             if inst is not None:

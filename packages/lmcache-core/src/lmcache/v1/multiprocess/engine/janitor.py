@@ -1,19 +1,48 @@
-"""Background upkeep of ``CacheEngine``: the session cleaner (expired sessions, stale
-reservations, ended read leases) and the reaper of silent workers."""
+"""``Janitor``: the background upkeep of ``CacheEngine`` on two threads, the session
+cleaner (expired sessions, stale reservations, ended read leases) and the reaper of silent
+workers."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 from lmcache.utils import init_logger
+from lmcache.v1.multiprocess.config import MPServerConfig
+from lmcache.v1.multiprocess.engine.instances import InstanceRegistry
+from lmcache.v1.multiprocess.engine.session_keys import SessionKeys
+from lmcache.v1.multiprocess.metrics import ServerMetrics
 
 logger = init_logger(__name__)
 
 
-class JanitorMixin:
-    """Part of ``CacheEngine`` (its state is set in ``CacheEngine.__init__``)."""
+class Janitor:
+    def __init__(
+        self,
+        config: MPServerConfig,
+        metrics: ServerMetrics,
+        registry: InstanceRegistry,
+        session_keys: SessionKeys,
+    ) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.registry = registry
+        self.session_keys = session_keys
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
 
-    # ------------------------------------------------------------------ background
+    def start(self) -> None:
+        for name, fn in (("mp-session-cleaner", self._clean_loop), ("mp-reaper", self._reap_loop)):
+            t = threading.Thread(target=fn, name=name, daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def stop(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=5)
+
+    # ------------------------------------------------------------------ periods
     def clean_period(self) -> float:
         """Seconds between session-cleaner cycles."""
         return max(0.2, min(60.0, self.config.session_ttl_seconds / 4))
@@ -32,6 +61,7 @@ class JanitorMixin:
             return 0.0
         return max(0.1, min(30.0, min(timeouts) / 4))
 
+    # ------------------------------------------------------------------ session cleaner
     def _clean_loop(self) -> None:
         period = self.clean_period()
         while not self._stop.wait(period):
@@ -41,18 +71,11 @@ class JanitorMixin:
                 logger.exception("session cleaner cycle failed")
 
     def clean_once(self) -> None:
-        self._release_expired_leases()
-        for s in self.sessions.expired():
-            self._close_session(s)
-        ttl = self.config.l1_write_ttl_seconds
-        cutoff = time.monotonic() - ttl
-        for inst in list(self.instances.values()):
-            with inst.lock:
-                old = [k for k, r in inst.reservations.items() if r.created < cutoff]
-                gone = [inst.reservations.pop(k) for k in old]
-            for r in gone:
-                self.storage.abort_write(list(r.objs))
+        self.session_keys.release_expired_leases()
+        self.session_keys.close_expired_sessions()
+        self.registry.abort_stale_reservations(time.monotonic() - self.config.l1_write_ttl_seconds)
 
+    # ------------------------------------------------------------------ reaper
     def _reap_loop(self) -> None:
         period = self.reap_period()
         if not period:
@@ -64,24 +87,18 @@ class JanitorMixin:
                 logger.exception("reaper cycle failed")
 
     def reap_once(self) -> list[int]:
-        now = time.monotonic()
-        reap, grace = (
+        victims = self.registry.silent(
+            time.monotonic(),
             self.config.worker_reap_timeout_seconds,
             self.config.worker_registration_grace_seconds,
         )
-        victims = []
-        with self._lock:
-            for inst in self.instances.values():
-                limit = reap if inst.pinged else grace
-                if limit > 0 and now - inst.last_seen > limit:
-                    victims.append(inst.instance_id)
-        for iid in victims:  # the liveness lock is not held while releasing
-            inst = self._drop_instance(iid, reason="reaped (no liveness signal)")
+        for iid in victims:  # the registry's lock is not held while releasing
+            inst = self.registry.drop(iid, reason="reaped (no liveness signal)")
             if inst is not None:
                 logger.warning("Reaped instance %d (%s): silent for too long", iid, inst.mode)
                 self.metrics.inc("lmcache_mp_reaped_instances", mode=inst.mode)
         self._reclaim_silent_workers()
-        self._release_expired_leases()
+        self.session_keys.release_expired_leases()
         return victims
 
     def _reclaim_silent_workers(self) -> None:
@@ -94,24 +111,19 @@ class JanitorMixin:
         if limit <= 0:
             return
         cutoff = time.monotonic() - limit
-        for inst in list(self.instances.values()):
+        for inst in self.registry.all():
             if inst.last_seen >= cutoff:
                 continue
-            with inst.lock:
-                if not inst.reservations and not inst.pending_reads:
-                    continue
-                reservations, inst.reservations = inst.reservations, {}
-                reads, inst.pending_reads = inst.pending_reads, {}
-            for res in reservations.values():
-                self.storage.abort_write(list(res.objs))  # never admit half-written data
-            self._release_after_lease(list(reads.values()))
-            self.metrics.inc("lmcache_mp_reclaimed_staging", len(reservations) + len(reads))
+            stores, reads = self.registry.release_staging(inst)
+            if not stores and not reads:
+                continue
+            self.metrics.inc("lmcache_mp_reclaimed_staging", stores + reads)
             logger.warning(
                 "Instance %d (%s) silent for more than %.0f s: released its %d unfinished "
                 "store(s) and %d unfinished SHM read(s); it stays registered",
                 inst.instance_id,
                 inst.mode,
                 limit,
-                len(reservations),
-                len(reads),
+                stores,
+                reads,
             )

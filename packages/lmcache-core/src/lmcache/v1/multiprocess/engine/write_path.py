@@ -1,14 +1,19 @@
-"""The write path of ``CacheEngine``: ``store`` (lmcache_driven) and
-``prepare_store``/``commit_store`` (engine_driven, SHM or copied payloads)."""
+"""``WritePath``: ``store`` (lmcache_driven: the server gathers the worker's KV into L1)
+and ``prepare_store``/``commit_store`` (engine_driven, SHM or copied payloads)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from lmcache.utils import RateLimitedLog, init_logger
+from lmcache.v1.multiprocess import kv_copy
 from lmcache.v1.multiprocess import payload_codec as codec
 from lmcache.v1.multiprocess import protocol as P
-from lmcache.v1.multiprocess.engine.state import (
+from lmcache.v1.multiprocess.config import MPServerConfig
+from lmcache.v1.multiprocess.engine.host_copy import HostKVCopier, chunk_blocks
+from lmcache.v1.multiprocess.engine.instances import InstanceRegistry
+from lmcache.v1.multiprocess.engine.layouts import LayoutTable
+from lmcache.v1.multiprocess.engine.records import (
     ENGINE_DRIVEN,
     HOST_DEVICE,
     L1_TAG,
@@ -23,31 +28,36 @@ from lmcache.v1.multiprocess.engine.state import (
     obj_tensor,
     shm_slots,
 )
-from lmcache.v1.multiprocess.protocol import ErrorCode, RequestError
-from lmcache.v1.multiprocess.sessions import Session
+from lmcache.v1.multiprocess.engine.session_keys import SessionKeys
+from lmcache.v1.multiprocess.metrics import ServerMetrics
+from lmcache.v1.multiprocess.storage_bridge import StorageBridge
 
 logger = init_logger(__name__)
 # Conditions a busy server may hit many times a second (a full L1, a full session table).
 _limited = RateLimitedLog(logger, interval=10.0)
 
 
-class WritePathMixin:
-    """Part of ``CacheEngine`` (its state is set in ``CacheEngine.__init__``)."""
+class WritePath:
+    def __init__(
+        self,
+        config: MPServerConfig,
+        storage: StorageBridge,
+        metrics: ServerMetrics,
+        registry: InstanceRegistry,
+        layouts: LayoutTable,
+        session_keys: SessionKeys,
+        copier: HostKVCopier,
+    ) -> None:
+        self.config = config
+        self.cs = config.chunk_size
+        self.storage = storage
+        self.metrics = metrics
+        self.registry = registry
+        self.layouts = layouts
+        self.session_keys = session_keys
+        self.copier = copier
 
     # ------------------------------------------------------------------ writes
-    def _own_keys(self, key: P.IPCCacheServerKey) -> tuple[Session, list[Any]]:
-        self._validate(key, aligned=True)
-        if key.worker_id is None:
-            raise RequestError(
-                ErrorCode.INVALID_ARGUMENT,
-                "store/retrieve keys need a worker_id (the worker's KV rank)",
-            )
-        session = self.sessions.touch(key.request_id)
-        hashes = self._hashes(session, key, key.end)
-        session.key_info = (key.model_name, key.world_size, key.cache_salt)
-        first, last = key.start // self.cs, key.end // self.cs
-        return session, self._keys(hashes, first, last, key, [key.worker_id])[0]
-
     def _reserve(
         self, inst: Instance, keys: list[Any], positions_filter: list[bool] | None = None
     ) -> Reservation:
@@ -84,9 +94,11 @@ class WritePathMixin:
             )
         return not bad and res.failed == 0
 
-    def prepare_store(self, ctx: RequestContext, key: P.IPCCacheServerKey, instance_id: int):
-        inst = self._instance(instance_id, ENGINE_DRIVEN)
-        _session, keys = self._own_keys(key)
+    def prepare_store(
+        self, ctx: RequestContext, key: P.IPCCacheServerKey, instance_id: int
+    ) -> dict[str, Any]:
+        inst = self.registry.require(instance_id, ENGINE_DRIVEN)
+        _session, keys = self.session_keys.own_keys(key)
         self.metrics.inc("lmcache_mp_num_submitted_stores", device=HOST_DEVICE)
         res = self._reserve(inst, keys)
         rkey = (key.request_id, key.start, key.end)
@@ -105,8 +117,8 @@ class WritePathMixin:
 
     def commit_store(
         self, ctx: RequestContext, key: P.IPCCacheServerKey, instance_id: int, data: bytes = b""
-    ):
-        inst = self._instance(instance_id, ENGINE_DRIVEN)
+    ) -> bool:
+        inst = self.registry.require(instance_id, ENGINE_DRIVEN)
         with inst.lock:
             res = inst.reservations.pop((key.request_id, key.start, key.end), None)
         if res is None:
@@ -134,7 +146,7 @@ class WritePathMixin:
             logger.warning(
                 "worker %d could not use SHM '%s'; switching it to the copy path",
                 inst.instance_id,
-                self.shm_name,
+                self.registry.shm_name,
             )
             inst.strategy = "copy"
         n = len(res.keys)
@@ -177,15 +189,13 @@ class WritePathMixin:
         instance_id: int,
         block_ids: list[list[int]],
         event_ipc_handle: bytes = b"",
-    ):
-        self._require_mode(LMCACHE_DRIVEN)
-        inst = self._driven_instance(instance_id, "lmcache_mp_num_submitted_stores")
+    ) -> tuple[bytes, bool]:
+        self.registry.require_mode(LMCACHE_DRIVEN)
+        inst = self.registry.lmcache_driven(instance_id, "lmcache_mp_num_submitted_stores")
         if inst is None:
             return (b"", False)
-        _session, keys = self._own_keys(key)
-        from lmcache.v1.multiprocess.transfer_context.base import gather_paged_kv_to_cpu
-
-        blocks = self._chunk_blocks(inst, block_ids, len(keys))
+        _session, keys = self.session_keys.own_keys(key)
+        blocks = chunk_blocks(self.cs, inst, block_ids, len(keys))
         if blocks is None:
             return (b"", False)
         bpc, ids = blocks
@@ -196,11 +206,11 @@ class WritePathMixin:
             if res.objs:
                 lay = self.layouts[inst.layout_key]
                 outs = [obj_tensor(res.objs[keys[i]], lay) for i in res.positions]
-                self._timed_copy_host_kv(
+                self.copier.timed(
                     "lmcache_mp_l0_l1_store_throughput_GB_per_second",
                     len(outs) * lay.nbytes,
                     inst,
-                    gather_paged_kv_to_cpu,
+                    kv_copy.gather_paged_kv_to_cpu,
                     ids,
                     bpc,
                     layout_hints=inst.layout_hints,

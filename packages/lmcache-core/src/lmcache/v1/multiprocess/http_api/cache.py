@@ -138,7 +138,7 @@ def add_cache_routes(app: FastAPI, runtime: Any) -> None:
             P.validate_key(key, chunk_aligned=False, chunk_size=engine.cs)
         except (ValueError, TypeError) as exc:
             raise HTTPException(400, str(exc)) from None
-        engine.lookup(RequestContext(b"http", frozenset(), lambda v: None), key)
+        engine.session_keys.lookup(RequestContext(b"http", frozenset(), lambda v: None), key)
         while len(prefetches) >= MAX_TRACKED_PREFETCHES:  # never polled: forget the oldest
             prefetches.pop(next(iter(prefetches)))
         prefetches[key.request_id] = {"total": chunks * body.world_size, "ws": body.world_size}
@@ -162,8 +162,8 @@ def add_cache_routes(app: FastAPI, runtime: Any) -> None:
             return {"request_id": request_id, "status": "pending"}
         # Completed: reported once, then forgotten (as 0.5.6 does).
         del prefetches[request_id]
-        hit = engine._consume(session) or 0
-        engine.end_session(None, request_id)
+        hit = engine.session_keys.consume(session) or 0
+        engine.session_keys.end_session(None, request_id)
         return {
             "request_id": request_id,
             "status": "completed",
@@ -193,7 +193,7 @@ def add_cache_routes(app: FastAPI, runtime: Any) -> None:
         if not inst.kv_caches:
             raise HTTPException(404, "kv_caches empty")
         try:
-            result = engine._copy_host_kv(
+            result = engine.copy_host_kv(
                 inst,
                 block_checksums,
                 inst.layout_hints,

@@ -21,7 +21,7 @@ def block_checksums(
     bench client compute, so digests from either server compare equal for equal KV data."""
     import torch
 
-    from lmcache.v1.multiprocess.transfer_context.base import kv_geometry
+    from lmcache.v1.multiprocess.kv_copy import kv_geometry
 
     axis = kv_geometry(kv_caches, layout_hints).block_axis
     n = len(block_ids)

@@ -1,11 +1,11 @@
-"""What every part of ``CacheEngine`` shares: the request context, the records of
-registered workers (``Instance``, ``Layout``) and their staged transfers (``Reservation``,
-``PendingRead``), the ObjectKey fan-out of a request, and small helpers."""
+"""The records every collaborator of ``CacheEngine`` shares: the request context, the
+records of registered workers (``Instance``, ``Layout``) and their staged transfers
+(``Reservation``, ``PendingRead``), the ObjectKey fan-out of a request, and small helpers
+over them. Only data and pure functions: the tables that hold these records belong to the
+collaborators (``InstanceRegistry``, ``LayoutTable``, ``SessionKeys``)."""
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -14,15 +14,12 @@ from typing import Any
 
 import torch
 
-from lmcache.utils import init_logger
 from lmcache.v1.distributed.api import ObjectKey
 from lmcache.v1.multiprocess import protocol as P
 from lmcache.v1.multiprocess.protocol import ErrorCode, RequestError
 from lmcache.v1.multiprocess.sessions import Session
 from lmcache.v1.multiprocess.token_hasher import compute_kv_rank
 from lmcache.v1.platform.base.ipc_wrapper import dtype_name
-
-logger = init_logger(__name__)
 
 ENGINE_DRIVEN = "engine_driven"
 LMCACHE_DRIVEN = "lmcache_driven"
@@ -66,42 +63,6 @@ class RequestContext:
             self._done = True
         self._reply(make_value())
         return True
-
-
-class Parker:
-    """Timeouts of parked waits without holding a pool thread per wait."""
-
-    def __init__(self) -> None:
-        self._heap: list[tuple[float, int, Callable[[], None]]] = []
-        self._cv = threading.Condition()
-        self._seq = itertools.count()
-        self._stop = False
-        self._thread = threading.Thread(target=self._run, name="mp-parked-waits", daemon=True)
-        self._thread.start()
-
-    def at(self, deadline: float, fn: Callable[[], None]) -> None:
-        with self._cv:
-            heapq.heappush(self._heap, (deadline, next(self._seq), fn))
-            self._cv.notify()
-
-    def _run(self) -> None:
-        while True:
-            with self._cv:
-                while not self._stop and (not self._heap or self._heap[0][0] > time.monotonic()):
-                    wait = self._heap[0][0] - time.monotonic() if self._heap else None
-                    self._cv.wait(wait)
-                if self._stop:
-                    return
-                _, _, fn = heapq.heappop(self._heap)
-            try:
-                fn()
-            except Exception:
-                logger.exception("parked wait timeout callback failed")
-
-    def stop(self) -> None:
-        with self._cv:
-            self._stop = True
-            self._cv.notify()
 
 
 @dataclass

@@ -1,31 +1,70 @@
-"""Lookups and sessions of ``CacheEngine``: prefetch jobs, their read shares, the
-prefetch-status waits, ``free_lookup_locks`` and ``end_session``."""
+"""``SessionKeys``: the sessions of requests and the object keys they hold.
+
+A request's session turns its tokens into chunk hashes and ObjectKeys (``own_keys``, every
+store and retrieve); its lookup job read-locks the hit prefix and records the locks as the
+session's read shares, which retrieves, ``free_lookup_locks``, ``end_session`` and the
+session's TTL give back. The op handlers here: ``lookup``, ``query_prefetch_status``,
+``wait_prefetch_status``, ``free_lookup_locks`` and ``end_session``.
+"""
 
 from __future__ import annotations
 
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from lmcache.utils import RateLimitedLog, init_logger
 from lmcache.v1.multiprocess import protocol as P
-from lmcache.v1.multiprocess.engine.state import RequestContext, fan_out_keys
+from lmcache.v1.multiprocess.config import MPServerConfig
+from lmcache.v1.multiprocess.engine.layouts import LayoutTable
+from lmcache.v1.multiprocess.engine.parker import Parker
+from lmcache.v1.multiprocess.engine.records import PendingRead, RequestContext, fan_out_keys
+from lmcache.v1.multiprocess.metrics import ServerMetrics
 from lmcache.v1.multiprocess.protocol import ErrorCode, RequestError
-from lmcache.v1.multiprocess.sessions import LookupJob, Session
-from lmcache.v1.multiprocess.token_hasher import tokens_to_be_bytes
+from lmcache.v1.multiprocess.sessions import LookupJob, Session, SessionTable
+from lmcache.v1.multiprocess.storage_bridge import StorageBridge
+from lmcache.v1.multiprocess.token_hasher import PrefixHashMemo, tokens_to_be_bytes
 
 logger = init_logger(__name__)
 # Conditions a busy server may hit many times a second (a full L1, a full session table).
 _limited = RateLimitedLog(logger, interval=10.0)
 
 
-class LookupMixin:
-    """Part of ``CacheEngine`` (its state is set in ``CacheEngine.__init__``)."""
+class SessionKeys:
+    """Owns the session table, the prefix hash memo, the lookup waiters and parked waits,
+    and the read leases of dropped workers."""
 
-    def _keys(
-        self, hashes: list[bytes], first: int, last: int, key: P.IPCCacheServerKey, ranks
-    ) -> list[list[Any]]:
-        return fan_out_keys(key, hashes, first, last, ranks)
+    def __init__(
+        self,
+        config: MPServerConfig,
+        storage: StorageBridge,
+        metrics: ServerMetrics,
+        layouts: LayoutTable,
+    ) -> None:
+        self.config = config
+        self.cs = config.chunk_size
+        self.storage = storage
+        self.metrics = metrics
+        self.layouts = layouts
+        self.sessions = SessionTable(
+            config.session_ttl_seconds, config.max_sessions, self._evict_sessions
+        )
+        self.hash_memo = PrefixHashMemo(self.cs)
+        self._warned_early_exit: set[tuple[str, int]] = set()
+        self._waiters = ThreadPoolExecutor(8, thread_name_prefix="mp-lookup-wait")
+        self._parker = Parker()
+        self._stopped = threading.Event()
+        # Reads of dropped workers whose lease is still running: (lease end, read)
+        self._leased_reads: list[tuple[float, PendingRead]] = []
+        self._leases_lock = threading.Lock()
 
+    def stop(self) -> None:
+        self._stopped.set()
+        self._parker.stop()
+        self._waiters.shutdown(wait=False, cancel_futures=True)
+
+    # ------------------------------------------------------------------ keys
     def _validate(self, key: P.IPCCacheServerKey, *, aligned: bool) -> None:
         P.validate_key(key, chunk_aligned=aligned, chunk_size=self.cs)
 
@@ -36,6 +75,21 @@ class LookupMixin:
         except ValueError as exc:
             raise RequestError(ErrorCode.INVALID_ARGUMENT, str(exc)) from exc
 
+    def own_keys(self, key: P.IPCCacheServerKey) -> tuple[Session, list[Any]]:
+        """The session of a store or retrieve and the ObjectKeys of its chunks for the key's
+        own rank (``RequestError`` for a misaligned key or one without a worker_id)."""
+        self._validate(key, aligned=True)
+        if key.worker_id is None:
+            raise RequestError(
+                ErrorCode.INVALID_ARGUMENT,
+                "store/retrieve keys need a worker_id (the worker's KV rank)",
+            )
+        session = self.sessions.touch(key.request_id)
+        hashes = self._hashes(session, key, key.end)
+        session.key_info = (key.model_name, key.world_size, key.cache_salt)
+        first, last = key.start // self.cs, key.end // self.cs
+        return session, fan_out_keys(key, hashes, first, last, [key.worker_id])[0]
+
     # ------------------------------------------------------------------ lookup
     def lookup(
         self,
@@ -43,7 +97,7 @@ class LookupMixin:
         key: P.IPCCacheServerKey,
         tp_size: Any = None,
         wait_timeout: float | None = None,
-    ):
+    ) -> int | None:
         """Starts the prefetch job; 0.5.6 replies nil. With ``wait_timeout``
         (``FEATURE_LOOKUP_WAIT``) the reply is wait_prefetch_status's answer instead."""
         self._start_lookup(key)
@@ -66,8 +120,8 @@ class LookupMixin:
             except ValueError as exc:
                 raise RequestError(ErrorCode.INVALID_ARGUMENT, str(exc)) from exc
         session = self.sessions.touch(key.request_id)
-        who = {"cache_salt": key.cache_salt, "model_name": key.model_name}
-        self.metrics.inc("lmcache_mp_lookups_requests", **who)
+        who: dict[str, str] = {"cache_salt": key.cache_salt, "model_name": key.model_name}
+        self.metrics.inc("lmcache_mp_lookups_requests", 1.0, **who)
         first = key.start // self.cs
         job = LookupJob(key.num_kv_readers, first)
         with session.lock:
@@ -79,7 +133,7 @@ class LookupMixin:
                 self._release_job_locks(old, session)
         if lay is None:
             self.metrics.inc(
-                "lmcache_mp_lookup_early_exit_requests", reason="no_gpu_context", **who
+                "lmcache_mp_lookup_early_exit_requests", 1.0, reason="no_gpu_context", **who
             )
             if lkey not in self._warned_early_exit:
                 self._warned_early_exit.add(lkey)
@@ -101,7 +155,7 @@ class LookupMixin:
         if last <= first:
             job.complete(0)
             return
-        job.rows = self._keys(hashes, first, last, key, range(key.world_size))
+        job.rows = fan_out_keys(key, hashes, first, last, range(key.world_size))
         try:
             # The common case: L1 alone answers at once, without a prefetch request.
             now = self.storage.lookup_l1_now(job.rows, key.num_kv_readers)
@@ -118,10 +172,10 @@ class LookupMixin:
         elif self.storage.wait_lookup(job.handle, 0):
             self._finish_job(session, job)
         else:
-            self._lookup_waiters.submit(self._wait_job, session, job)
+            self._waiters.submit(self._wait_job, session, job)
 
     def _wait_job(self, session: Session, job: LookupJob) -> None:
-        while not self._stop.is_set():
+        while not self._stopped.is_set():
             if self.storage.wait_lookup(job.handle, 1.0):
                 break
         self._finish_job(session, job)
@@ -139,7 +193,7 @@ class LookupMixin:
                 return
         hit = out.hit_chunks
         ranks = max(1, len(job.rows))
-        model, _world_size, salt = session.key_info
+        model, _world_size, salt = session.key_info or ("", 0, "")
         self.metrics.inc_many(
             {
                 "lmcache_mp_lookup_hit_tokens": hit * self.cs,
@@ -172,7 +226,9 @@ class LookupMixin:
             return
         self._free_range(session, job.first_chunk, job.first_chunk + job.hit_chunks)
 
-    def _consume(self, session: Session | None) -> int | None:
+    def consume(self, session: Session | None) -> int | None:
+        """The hit chunks of the session's lookup, reported once (0 after that, or without a
+        lookup); None while the lookup runs."""
         if session is None:
             return 0
         with session.lock:
@@ -185,21 +241,23 @@ class LookupMixin:
             session.job = None
             return int(job.hit_chunks or 0)
 
-    def query_prefetch_status(self, ctx: RequestContext, request_id: str):
-        return self._consume(self.sessions.get(request_id))
+    def query_prefetch_status(self, ctx: RequestContext, request_id: str) -> int | None:
+        return self.consume(self.sessions.get(request_id))
 
-    def wait_prefetch_status(self, ctx: RequestContext, request_id: str, timeout: float):
+    def wait_prefetch_status(
+        self, ctx: RequestContext, request_id: str, timeout: float
+    ) -> int | None:
         session = self.sessions.get(request_id)
         if session is None or session.job is None:
             return 0
         job = session.job
         if job.is_done:
-            return self._consume(session)
+            return self.consume(session)
         ctx.defer()
 
         def on_done(_job: LookupJob) -> None:
             if session.job is job:
-                ctx.reply_with(lambda: self._consume(session))
+                ctx.reply_with(lambda: self.consume(session))
             else:
                 ctx.reply(0)
 
@@ -211,7 +269,9 @@ class LookupMixin:
         job.on_done(on_done)
         return None
 
-    def free_lookup_locks(self, ctx: RequestContext, key: P.IPCCacheServerKey, tp_size: Any = None):
+    def free_lookup_locks(
+        self, ctx: RequestContext, key: P.IPCCacheServerKey, tp_size: Any = None
+    ) -> None:
         if key.num_kv_readers < 1:
             raise RequestError(
                 ErrorCode.INVALID_ARGUMENT,
@@ -255,7 +315,7 @@ class LookupMixin:
                 session.shares[(chunk, rank)] = n - 1
             return True
 
-    def _release_worker_shares(
+    def release_worker_shares(
         self, session: Session, key: P.IPCCacheServerKey, keys: list[Any]
     ) -> None:
         """One share per key of this worker's rank, each at most once per lookup share, taken
@@ -266,7 +326,7 @@ class LookupMixin:
         owed = [k for j, k in enumerate(keys) if self._take_share(session, first + j, rank)]
         self.storage.release_read(owed, 1)
 
-    def end_session(self, ctx: RequestContext, request_id: str):
+    def end_session(self, ctx: RequestContext | None, request_id: str) -> None:
         session = self.sessions.pop(request_id)
         if session is None:
             return None
@@ -285,13 +345,13 @@ class LookupMixin:
                 cache_salt=salt,
             )
             self.storage.touch([x for row in fan_out_keys(k, hashes, 0, len(hashes)) for x in row])
-        self._close_session(session)
+        self.close_session(session)
         return None
 
-    def _close_session(self, session: Session) -> None:
+    def close_session(self, session: Session) -> None:
         """End a session (end_session, or its TTL ran out): a lookup still running is
         superseded, and its shares are freed now, or by the last retrieve still copying
-        from them (``_retrieve_done``)."""
+        from them (``retrieve_done``)."""
         with session.lock:
             session.ended = True
             job = session.job
@@ -312,16 +372,56 @@ class LookupMixin:
             sessions[0].request_id,
         )
         for session in sessions:
-            self._close_session(session)
+            self.close_session(session)
 
-    def _retrieve_done(self, session: Session) -> None:
+    def retrieve_done(self, session: Session) -> None:
+        """A retrieve of ``session`` (``retrieve_begin``) is over; the last one of an ended
+        session frees its shares."""
         with session.lock:
             session.inflight_retrieves -= 1
             release = session.ended and session.inflight_retrieves == 0
         if release:
             self._free_range(session, 0, 1 << 62)
 
-    def _retrieve_begin(self, session: Session) -> Session:
+    def retrieve_begin(self, session: Session) -> Session:
+        """A retrieve copies from ``session``'s read-locked chunks: an end_session meanwhile
+        leaves them locked until ``retrieve_done``."""
         with session.lock:
             session.inflight_retrieves += 1
         return session
+
+    def close_expired_sessions(self) -> None:
+        """End every session whose TTL ran out (the session cleaner)."""
+        for session in self.sessions.expired():
+            self.close_session(session)
+
+    # ------------------------------------------------------------------ SHM reads
+    def finish_read(self, read: PendingRead) -> None:
+        """An SHM read is over (commit_retrieve, or its worker dropped): give back its
+        worker's shares, and its in-flight count if it copied."""
+        self.release_worker_shares(read.session, read.key, read.keys)
+        if read.copying:
+            self.retrieve_done(read.session)
+
+    def release_after_lease(self, reads: list[PendingRead]) -> None:
+        """Release a dropped worker's share of its pending SHM reads once their lease ends
+        (a failed read's at once: nothing copies from it): a worker whose copy finished
+        within the lease did not wait for commit_retrieve, so its slots must not be reused
+        before then. Through the session's share count, as commit_retrieve does, so a share
+        that end_session already released is not released again."""
+        lease = self.config.retrieve_lease_seconds
+        now = time.monotonic()
+        for read in reads:
+            if read.copying and lease > 0 and now < read.prepared + lease:
+                with self._leases_lock:
+                    self._leased_reads.append((read.prepared + lease, read))
+            else:
+                self.finish_read(read)
+
+    def release_expired_leases(self) -> None:
+        now = time.monotonic()
+        with self._leases_lock:
+            due = [read for end, read in self._leased_reads if end <= now]
+            self._leased_reads = [r for r in self._leased_reads if r[0] > now]
+        for read in due:
+            self.finish_read(read)
