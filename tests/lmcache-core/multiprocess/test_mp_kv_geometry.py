@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lmcache.v1.multiprocess.transfer_context.base import (
+from lmcache.v1.multiprocess.kv_copy import (
     gather_paged_kv_to_cpu,
     kv_geometry,
     scatter_cpu_to_paged_kv,

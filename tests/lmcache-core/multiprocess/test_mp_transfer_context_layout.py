@@ -41,8 +41,9 @@ def test_worker_transfer_holds_the_contexts_and_the_router_as_in_0_5_6():
 
 
 def test_importing_the_copy_functions_leaves_the_worker_contexts_unloaded():
-    """The server imports ``transfer_context.base``; the worker's contexts (and its client)
-    load only when a name of theirs is used."""
+    """Code written against 0.5.6 imports the copy functions from ``transfer_context.base``
+    (the server from ``kv_copy``); the worker's contexts (and its client) load only when a
+    name of theirs is used."""
     code = (
         "import sys\n"
         "import lmcache.v1.multiprocess.transfer_context.base\n"

@@ -7,13 +7,13 @@ What each module holds (the layout of LMCache 0.5.6, whose import paths keep wor
                      ``default_mp_transfer_mode()``), ``TransferContext`` (their shared
                      base), ``LMCacheDrivenTransferContext``, ``EngineDrivenTransferContext``,
                      ``ENV_MP_TRANSFER_MODE``, ``MPTransferMode``
-    base             the paged-KV copy functions (``gather_paged_kv_to_cpu``,
-                     ``scatter_cpu_to_paged_kv``, ``kv_geometry``) used by the worker's
-                     engine-driven context and by the server
+    base             0.5.6's import path of the paged-KV copy functions
+                     (``gather_paged_kv_to_cpu``, ``scatter_cpu_to_paged_kv``); they live in
+                     ``lmcache.v1.multiprocess.kv_copy``, shared by the worker's contexts
+                     and the server's engine
 
-This package re-exports the public names, as 0.5.6's does, resolved on first use: the server
-imports ``base`` through this package and must not load the worker's contexts (and the
-client) with it.
+This package re-exports the public names, as 0.5.6's does, resolved on first use, so that
+importing it does not load the worker's contexts (and the client).
 """
 
 from __future__ import annotations
@@ -21,15 +21,15 @@ from __future__ import annotations
 from lmcache.utils.lazy import lazy_attributes, lazy_dir
 
 _WORKER_TRANSFER = "lmcache.v1.multiprocess.transfer_context.worker_transfer"
-_BASE = "lmcache.v1.multiprocess.transfer_context.base"
+_KV_COPY = "lmcache.v1.multiprocess.kv_copy"
 _LAZY = {
     "EngineDrivenTransferContext": (_WORKER_TRANSFER, "EngineDrivenTransferContext"),
     "LMCacheDrivenTransferContext": (_WORKER_TRANSFER, "LMCacheDrivenTransferContext"),
     "MPTransferMode": (_WORKER_TRANSFER, "MPTransferMode"),
     "TransferContext": (_WORKER_TRANSFER, "TransferContext"),
     "create_transfer_context": (_WORKER_TRANSFER, "create_transfer_context"),
-    "gather_paged_kv_to_cpu": (_BASE, "gather_paged_kv_to_cpu"),
-    "scatter_cpu_to_paged_kv": (_BASE, "scatter_cpu_to_paged_kv"),
+    "gather_paged_kv_to_cpu": (_KV_COPY, "gather_paged_kv_to_cpu"),
+    "scatter_cpu_to_paged_kv": (_KV_COPY, "scatter_cpu_to_paged_kv"),
 }
 
 __all__ = sorted(_LAZY)

@@ -18,7 +18,7 @@ benchmarks::
 ``mode`` (explicit, else ``ENV_MP_TRANSFER_MODE``, else AUTO, which follows the device spec's
 ``default_mp_transfer_mode()``) and builds ``LMCacheDrivenTransferContext`` (the server copies
 from/to the worker's KV memory) or ``EngineDrivenTransferContext`` (the worker copies to/from
-host chunks the server hands out). The copy functions live in ``transfer_context.base``.
+host chunks the server hands out). The copy functions live in ``lmcache.v1.multiprocess.kv_copy``.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from lmcache.v1.distributed.page_residency import (
 from lmcache.v1.multiprocess import payload_codec as codec
 from lmcache.v1.multiprocess import protocol as P
 from lmcache.v1.multiprocess.client import MPClient, MPFuture
-from lmcache.v1.multiprocess.transfer_context.base import (
+from lmcache.v1.multiprocess.kv_copy import (
     gather_paged_kv_to_cpu,
     kv_geometry,
     scatter_cpu_to_paged_kv,
