@@ -18,6 +18,7 @@ from lmcache.v1.multiprocess.engine.host_copy import HostKVCopier
 from lmcache.v1.multiprocess.engine.instances import InstanceRegistry
 from lmcache.v1.multiprocess.engine.janitor import Janitor
 from lmcache.v1.multiprocess.engine.layouts import LayoutTable
+from lmcache.v1.multiprocess.engine.parts import EngineParts
 from lmcache.v1.multiprocess.engine.read_path import ReadPath
 from lmcache.v1.multiprocess.engine.records import (
     BOOKKEEPING_OPS,
@@ -64,12 +65,11 @@ class CacheEngine:
             shm_disabled_reason=shm_disabled_reason,
         )
         self.copier = HostKVCopier(metrics)
-        self.write_path = WritePath(
+        parts = EngineParts(
             config, storage, metrics, self.registry, self.layouts, self.session_keys, self.copier
         )
-        self.read_path = ReadPath(
-            config, storage, metrics, self.registry, self.layouts, self.session_keys, self.copier
-        )
+        self.write_path = WritePath(parts)
+        self.read_path = ReadPath(parts)
         self.janitor = Janitor(config, metrics, self.registry, self.session_keys)
         # The tables others read: the registered workers by id, the sessions.
         self.instances: dict[int, Instance] = self.registry.instances

@@ -10,10 +10,8 @@ from lmcache.utils import init_logger
 from lmcache.v1.multiprocess import kv_copy
 from lmcache.v1.multiprocess import payload_codec as codec
 from lmcache.v1.multiprocess import protocol as P
-from lmcache.v1.multiprocess.config import MPServerConfig
-from lmcache.v1.multiprocess.engine.host_copy import HostKVCopier, chunk_blocks
-from lmcache.v1.multiprocess.engine.instances import InstanceRegistry
-from lmcache.v1.multiprocess.engine.layouts import LayoutTable
+from lmcache.v1.multiprocess.engine.host_copy import chunk_blocks
+from lmcache.v1.multiprocess.engine.parts import EnginePath
 from lmcache.v1.multiprocess.engine.records import (
     ENGINE_DRIVEN,
     HOST_DEVICE,
@@ -28,35 +26,13 @@ from lmcache.v1.multiprocess.engine.records import (
     obj_tensor,
     shm_slots,
 )
-from lmcache.v1.multiprocess.engine.session_keys import SessionKeys
-from lmcache.v1.multiprocess.metrics import ServerMetrics
 from lmcache.v1.multiprocess.protocol import RequestError
-from lmcache.v1.multiprocess.storage_bridge import StorageBridge
 from lmcache.v1.platform.base.ipc_wrapper import dtype_name
 
 logger = init_logger(__name__)
 
 
-class ReadPath:
-    def __init__(
-        self,
-        config: MPServerConfig,
-        storage: StorageBridge,
-        metrics: ServerMetrics,
-        registry: InstanceRegistry,
-        layouts: LayoutTable,
-        session_keys: SessionKeys,
-        copier: HostKVCopier,
-    ) -> None:
-        self.config = config
-        self.cs = config.chunk_size
-        self.storage = storage
-        self.metrics = metrics
-        self.registry = registry
-        self.layouts = layouts
-        self.session_keys = session_keys
-        self.copier = copier
-
+class ReadPath(EnginePath):
     # ------------------------------------------------------------------ reads
     def retrieve(
         self,

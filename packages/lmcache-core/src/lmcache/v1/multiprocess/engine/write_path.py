@@ -9,10 +9,8 @@ from lmcache.utils import RateLimitedLog, init_logger
 from lmcache.v1.multiprocess import kv_copy
 from lmcache.v1.multiprocess import payload_codec as codec
 from lmcache.v1.multiprocess import protocol as P
-from lmcache.v1.multiprocess.config import MPServerConfig
-from lmcache.v1.multiprocess.engine.host_copy import HostKVCopier, chunk_blocks
-from lmcache.v1.multiprocess.engine.instances import InstanceRegistry
-from lmcache.v1.multiprocess.engine.layouts import LayoutTable
+from lmcache.v1.multiprocess.engine.host_copy import chunk_blocks
+from lmcache.v1.multiprocess.engine.parts import EnginePath
 from lmcache.v1.multiprocess.engine.records import (
     ENGINE_DRIVEN,
     HOST_DEVICE,
@@ -28,35 +26,13 @@ from lmcache.v1.multiprocess.engine.records import (
     obj_tensor,
     shm_slots,
 )
-from lmcache.v1.multiprocess.engine.session_keys import SessionKeys
-from lmcache.v1.multiprocess.metrics import ServerMetrics
-from lmcache.v1.multiprocess.storage_bridge import StorageBridge
 
 logger = init_logger(__name__)
 # Conditions a busy server may hit many times a second (a full L1, a full session table).
 _limited = RateLimitedLog(logger, interval=10.0)
 
 
-class WritePath:
-    def __init__(
-        self,
-        config: MPServerConfig,
-        storage: StorageBridge,
-        metrics: ServerMetrics,
-        registry: InstanceRegistry,
-        layouts: LayoutTable,
-        session_keys: SessionKeys,
-        copier: HostKVCopier,
-    ) -> None:
-        self.config = config
-        self.cs = config.chunk_size
-        self.storage = storage
-        self.metrics = metrics
-        self.registry = registry
-        self.layouts = layouts
-        self.session_keys = session_keys
-        self.copier = copier
-
+class WritePath(EnginePath):
     # ------------------------------------------------------------------ writes
     def _reserve(
         self, inst: Instance, keys: list[Any], positions_filter: list[bool] | None = None
