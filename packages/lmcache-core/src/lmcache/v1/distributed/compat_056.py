@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from lmcache.v1.distributed.compat_056_names import ALL_COMPAT_NAMES
 from lmcache.v1.distributed.config import StorageManagerConfig
 from lmcache.v1.distributed.internal_api import L1MemoryDesc
 from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface
@@ -33,34 +34,9 @@ from lmcache.v1.distributed.storage_flags import (
     storage_manager_config,
 )
 
-__all__ = [
-    # lmcache.v1.distributed.config
-    "add_storage_manager_args",
-    "parse_args_to_storage_manager_config",
-    # lmcache.v1.distributed.l2_adapters.config
-    "add_l2_adapters_args",
-    "build_config_from_dict",
-    "create_l2_adapter_from_registry",
-    "get_l2_adapter_config_class",
-    "get_registered_l2_adapter_types",
-    "get_type_name_for_config",
-    "parse_args_to_l2_adapters_config",
-    "parse_l2_adapter_dict",
-    "register_l2_adapter_type",
-    # lmcache.v1.distributed.l2_adapters.factory
-    "add_pending_module",
-    "describe_l2_adapter_types",
-    "ensure_adapter_loaded",
-    "failed_l2_adapter_plugins",
-    "get_all_registered_names",
-    "load_all_adapters",
-    "load_all_l2_adapter_types",
-    "refresh_l2_adapter_plugins",
-    "register_l2_adapter_factory",
-    "register_l2_adapter_type_spec",
-    # lmcache.v1.distributed.l2_adapters
-    "create_l2_adapter",
-]
+# The names, grouped by the 0.5.6 module that re-exports them, are listed once, in
+# ``compat_056_names``.
+__all__ = list(ALL_COMPAT_NAMES)
 
 
 # --- lmcache.v1.distributed.config ----------------------------------------------------------

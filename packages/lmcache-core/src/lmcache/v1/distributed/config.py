@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from lmcache.utils.lazy import lazy_attributes, lazy_dir
+from lmcache.v1.distributed.compat_056_names import compat_lazy_table
 from lmcache.v1.distributed.config_flags import flag
 from lmcache.v1.distributed.eviction_config import EVICTION_POLICIES, EvictionConfig
 from lmcache.v1.distributed.l1_mapping import PREFAULT_MODES, mapping_error
@@ -335,11 +336,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "add_eviction_args": ("lmcache.v1.distributed.storage_flags", "add_eviction_args"),
     "add_l1_args": ("lmcache.v1.distributed.storage_flags", "add_l1_args"),
     "add_l2_policy_args": ("lmcache.v1.distributed.storage_flags", "add_l2_policy_args"),
-    "add_storage_manager_args": ("lmcache.v1.distributed.compat_056", "add_storage_manager_args"),
-    "parse_args_to_storage_manager_config": (
-        "lmcache.v1.distributed.compat_056",
-        "parse_args_to_storage_manager_config",
-    ),
+    **compat_lazy_table(__name__),
 }
 
 # Hidden from type checkers: with a visible module __getattr__, mypy would accept any

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from lmcache.utils.lazy import lazy_attributes, lazy_dir
+from lmcache.v1.distributed.compat_056_names import compat_lazy_table
 from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface
 from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
 
@@ -18,9 +19,7 @@ if TYPE_CHECKING:
 
 __all__ = ["L2AdapterConfigBase", "L2AdapterInterface", "create_l2_adapter"]
 
-_LAZY: dict[str, tuple[str, str | None]] = {
-    "create_l2_adapter": ("lmcache.v1.distributed.compat_056", "create_l2_adapter"),
-}
+_LAZY = compat_lazy_table(__name__)
 
 if not TYPE_CHECKING:
     __getattr__ = lazy_attributes(__name__, _LAZY)

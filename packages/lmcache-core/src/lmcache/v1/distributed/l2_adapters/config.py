@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from lmcache.utils.lazy import lazy_attributes, lazy_dir
+from lmcache.v1.distributed.compat_056_names import compat_lazy_table
 from lmcache.v1.distributed.eviction_config import EvictionConfig
 
 if TYPE_CHECKING:
@@ -57,21 +58,7 @@ __all__ = [
 
 # 0.5.6's functions (and two earlier names of ours): defined once, in the compat module,
 # which imports this one; a table, not an import, so that no cycle results.
-_COMPAT = "lmcache.v1.distributed.compat_056"
-_LAZY: dict[str, tuple[str, str | None]] = {
-    name: (_COMPAT, name)
-    for name in (
-        "add_l2_adapters_args",
-        "build_config_from_dict",
-        "create_l2_adapter_from_registry",
-        "get_l2_adapter_config_class",
-        "get_registered_l2_adapter_types",
-        "get_type_name_for_config",
-        "parse_args_to_l2_adapters_config",
-        "parse_l2_adapter_dict",
-        "register_l2_adapter_type",
-    )
-}
+_LAZY = compat_lazy_table(__name__)
 
 GENERIC_FIELDS = frozenset(
     {"type", "affinity_tag", "shared", "eviction", "persist_enabled", "serde"}

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from lmcache.utils.lazy import lazy_attributes, lazy_dir
+from lmcache.v1.distributed.compat_056_names import compat_lazy_table
 from lmcache.v1.distributed.l2_adapters.hookspecs import L2AdapterFactory
 from lmcache.v1.distributed.l2_adapters.registry import BUILTIN_MODULES
 
@@ -48,11 +49,7 @@ __all__ = [
 
 # Defined once, in the compat module (which imports the registry and this package's config);
 # a table, not an import, so that no cycle results.
-_LAZY: dict[str, tuple[str, str | None]] = {
-    name: ("lmcache.v1.distributed.compat_056", name)
-    for name in __all__
-    if name not in ("BUILTIN_MODULES", "L2AdapterFactory")
-}
+_LAZY = compat_lazy_table(__name__)
 
 # Hidden from type checkers: with a visible module __getattr__, mypy would accept any
 # misspelt name imported from this module as Any.
