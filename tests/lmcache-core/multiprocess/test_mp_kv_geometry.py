@@ -54,3 +54,24 @@ def test_fused_rank4_round_trip_touches_only_the_chosen_blocks(hint):
 def test_unsupported_rank_names_the_shapes_vllm_passes():
     with pytest.raises(ValueError, match=r"fused \[NB, BS, NH, 2\*HS\]"):
         kv_geometry([torch.zeros(2, 2)])
+
+
+@pytest.mark.parametrize("by_name", [True, False])
+def test_compute_kv_layout_answers_0_5_6_tuple_at_its_path(by_name):
+    from lmcache.v1.multiprocess.transfer_context import base, compute_kv_layout
+
+    assert base.compute_kv_layout is compute_kv_layout
+    layers = vllm_fused_layers(hnd=False)
+    kv = {f"model.layers.{i}.attn": t for i, t in enumerate(layers)} if by_name else layers
+    block_size, num_layers, hidden, dtype_str, fmt, kv_size = compute_kv_layout(kv)
+    # 0.5.6: hidden_dim_size is num_heads times the packed (2 * head_size) width when K and V
+    # are fused, and kv_size counts the planes of a chunk object (1 when fused).
+    assert (block_size, num_layers, hidden, dtype_str) == (BS, NL, NH * 2 * HS, "bfloat16")
+    assert (fmt, kv_size) == (EngineKVFormat.NL_X_NB_BS_NH_CS, 1)
+
+
+def test_compute_kv_layout_rejects_no_layers():
+    from lmcache.v1.multiprocess.kv_copy import compute_kv_layout
+
+    with pytest.raises(ValueError, match="empty"):
+        compute_kv_layout({})

@@ -15,6 +15,7 @@ HND ``[2, NB, NH, BS, HS]`` (pass ``layout_hints={"kv_layout": "HND"}``), flashi
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,6 +100,19 @@ def kv_geometry(
             f"engine_kv_format {fmt.name} is not supported by the MP copy path"
         ) from None
     return KVGeometry(fmt, sd.nl, sd.nb, sd.bs, max(1, sd.nh), sd.hs, t.dtype)
+
+
+def compute_kv_layout(
+    kv_caches: Mapping[str, torch.Tensor] | list[torch.Tensor],
+    layout_hints: dict[str, Any] | None = None,
+    engine_type: Any = None,
+) -> tuple[int, int, int, str, EngineKVFormat, int]:
+    """0.5.6's summary of a KV layout: ``(block_size, num_layers, hidden_dim_size, dtype_str,
+    engine_kv_format, kv_size)``; ``kv_caches`` per layer, by name (0.5.6) or in order."""
+    tensors = list(kv_caches.values()) if isinstance(kv_caches, Mapping) else list(kv_caches)
+    geo = kv_geometry(tensors, layout_hints)
+    dtype_str = str(geo.dtype).removeprefix("torch.")
+    return geo.block_size, geo.num_layers, geo.hidden_dim, dtype_str, geo.fmt, geo.kv_size
 
 
 def _ops_for(t: torch.Tensor) -> Any:

@@ -8,7 +8,8 @@ What each module holds (the layout of LMCache 0.5.6, whose import paths keep wor
                      base), ``LMCacheDrivenTransferContext``, ``EngineDrivenTransferContext``,
                      ``ENV_MP_TRANSFER_MODE``, ``MPTransferMode``
     base             0.5.6's import path of the paged-KV copy functions
-                     (``gather_paged_kv_to_cpu``, ``scatter_cpu_to_paged_kv``); they live in
+                     (``compute_kv_layout``, ``gather_paged_kv_to_cpu``,
+                     ``scatter_cpu_to_paged_kv``); they live in
                      ``lmcache.v1.multiprocess.kv_copy``, shared by the worker's contexts
                      and the server's engine
 
@@ -27,6 +28,7 @@ _LAZY = {
     "LMCacheDrivenTransferContext": (_WORKER_TRANSFER, "LMCacheDrivenTransferContext"),
     "MPTransferMode": (_WORKER_TRANSFER, "MPTransferMode"),
     "TransferContext": (_WORKER_TRANSFER, "TransferContext"),
+    "compute_kv_layout": (_KV_COPY, "compute_kv_layout"),
     "create_transfer_context": (_WORKER_TRANSFER, "create_transfer_context"),
     "gather_paged_kv_to_cpu": (_KV_COPY, "gather_paged_kv_to_cpu"),
     "scatter_cpu_to_paged_kv": (_KV_COPY, "scatter_cpu_to_paged_kv"),

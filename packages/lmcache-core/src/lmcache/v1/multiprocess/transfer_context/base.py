@@ -6,6 +6,7 @@ the worker contexts share; this module re-exports them for code written against 
 
 from lmcache.v1.multiprocess.kv_copy import (
     KVGeometry,
+    compute_kv_layout,
     gather_paged_kv_to_cpu,
     kv_geometry,
     scatter_cpu_to_paged_kv,
@@ -13,6 +14,7 @@ from lmcache.v1.multiprocess.kv_copy import (
 
 __all__ = [
     "KVGeometry",
+    "compute_kv_layout",
     "gather_paged_kv_to_cpu",
     "kv_geometry",
     "scatter_cpu_to_paged_kv",
