@@ -38,12 +38,15 @@ from lmcache.v1.distributed.l2_adapters.api import (
     L1MemoryDesc,
     L2StoreResult,
     LMCacheConfigError,
+    RateLimitedLog,
     TaskIds,
     init_logger,
 )
 from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface, L2TaskId
 
 logger = init_logger(__name__)
+# A full device (no eviction block) refuses every store: one line per cause every 30 s.
+_store_refusals = RateLimitedLog(logger, interval=30.0)
 
 
 @dataclass
@@ -59,7 +62,7 @@ def _object_meta(offset: int, obj: Any, size: int) -> layout.EntryMeta:
     shape = getattr(md, "shape", None)
     dtype = getattr(md, "dtype", None)
     fmt = getattr(md, "fmt", None)
-    positions = getattr(md, "cached_positions", None)
+    positions: Any = getattr(md, "cached_positions", None)
     return layout.EntryMeta(
         offset,
         size,
@@ -229,8 +232,10 @@ class RawBlockL2Adapter(CompletionChannels, L2AdapterInterface):
         for start in range(0, len(items), step):
             chunk = items[start : start + step]
             bufs = [bytearray(align) for _ in chunk]
-            ok = self._dev.read([IO(e.meta.offset, b, align, align) for (_, e), b in zip(chunk, bufs)])
-            for (encoded, entry), buf, good in zip(chunk, bufs, ok):
+            ok = self._dev.read(
+                [IO(e.meta.offset, b, align, align) for (_, e), b in zip(chunk, bufs, strict=True)]
+            )
+            for (encoded, entry), buf, good in zip(chunk, bufs, ok, strict=True):
                 hdr = layout.decode_slot_header(buf) if good else None
                 if hdr != (layout.slot_identity(encoded), entry.meta.size):
                     stale.append(encoded)
@@ -283,7 +288,7 @@ class RawBlockL2Adapter(CompletionChannels, L2AdapterInterface):
         geo = self._geo
         errors: list[str] = []
         todo: list[tuple[str, ObjectKey, Any, int, memoryview]] = []  # enc, key, obj, slot, view
-        for key, obj in zip(keys, objects):
+        for key, obj in zip(keys, objects, strict=True):
             enc = layout.encode_key(key)
             view = _byte_view(obj)
             if self._dev.length(len(view)) > geo.payload_capacity():
@@ -335,7 +340,7 @@ class RawBlockL2Adapter(CompletionChannels, L2AdapterInterface):
         if len(new_keys) < len(todo):
             self._health.failure("store", errors[-1])
         elif errors:
-            logger.warning("raw_block store: %s", errors[0])
+            _store_refusals.warning(errors[0].split(": ", 1)[1], "raw_block store: %s", errors[0])
         sizes = [self._cfg.slot_bytes] * len(new_keys)
         if new_keys:
             self._notify_keys_stored(new_keys, sizes)
@@ -379,7 +384,7 @@ class RawBlockL2Adapter(CompletionChannels, L2AdapterInterface):
         reads: list[tuple[int, _Entry]] = []
         ios: list[IO] = []
         with self._lock:
-            for i, (key, obj) in enumerate(zip(keys, objects)):
+            for i, (key, obj) in enumerate(zip(keys, objects, strict=True)):
                 entry = self._index.get(layout.encode_key(key))
                 if entry is None:
                     continue
@@ -405,12 +410,12 @@ class RawBlockL2Adapter(CompletionChannels, L2AdapterInterface):
             ok = [False] * len(ios)
         loaded = [False] * len(keys)
         with self._lock:
-            for (i, entry), good in zip(reads, ok):
+            for (i, entry), good in zip(reads, ok, strict=True):
                 entry.loading -= 1
                 self._io_inflight -= 1
                 loaded[i] = good
             self._last_io = time.monotonic()
-        for (i, entry), good in zip(reads, ok):
+        for (i, entry), good in zip(reads, ok, strict=True):
             if good and entry.meta.cached_positions is not None:
                 _set_cached_positions(objects[i], entry.meta.cached_positions)
         if reads:
