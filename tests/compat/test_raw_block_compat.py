@@ -3,7 +3,8 @@ by ours, every object byte-equal, and the reverse; each side also finds the keys
 stored after its own restart. One driver script runs in either venv through the 0.5.6 API
 both share (``get_l2_adapter_config_class``, ``l2_adapters.create_l2_adapter``,
 ``TensorMemoryObj``). Needs LMCACHE_COMPAT_VENV (see conftest.py) with
-``lmcache-rust-raw-block-io`` installed in it (0.5.6's raw_block imports it).
+``lmcache-rust-raw-block-io`` installed in it (0.5.6's raw_block imports it; ``nox -s compat``
+installs it), else it skips saying so.
 """
 
 from __future__ import annotations
@@ -29,8 +30,18 @@ OBJECTS = [
 ]
 
 DRIVER = r"""
-import json, random, select, sys, time
+import json, os, random, select, sys, time, types
 import torch
+import lmcache.v1
+
+# 0.5.6's lmcache/v1/storage_backend/__init__.py imports every legacy backend (aiofile,
+# transformers, ...); its raw_block subpackage needs none of them, so the package is entered
+# bare and raw_block's own modules run unchanged. Ours has no such package.
+_legacy = os.path.join(os.path.dirname(lmcache.v1.__file__), "storage_backend")
+if os.path.isfile(os.path.join(_legacy, "__init__.py")):
+    _pkg = types.ModuleType("lmcache.v1.storage_backend")
+    _pkg.__path__ = [_legacy]
+    sys.modules["lmcache.v1.storage_backend"] = _pkg
 from lmcache.v1.distributed.api import ObjectKey
 from lmcache.v1.distributed.l2_adapters import create_l2_adapter
 from lmcache.v1.distributed.l2_adapters.config import get_l2_adapter_config_class
@@ -87,6 +98,10 @@ def step(mode, spec, objects):
     adapter.close()
     return out
 
+if steps == "probe":  # can this venv run raw_block at all?
+    import lmcache_rust_raw_block_io
+    get_l2_adapter_config_class("raw_block")
+    steps = []
 print("RESULT " + json.dumps([step(*s) for s in steps]))
 """
 
@@ -110,11 +125,15 @@ def _run(python: Path, steps: list[list], ours: bool) -> list[dict]:
 @pytest.fixture(scope="module")
 def theirs_python(compat_venv: Path) -> Path:
     python = compat_venv / "bin" / "python"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     probe = subprocess.run(
-        [str(python), "-c", "import lmcache_rust_raw_block_io"], capture_output=True, timeout=60
+        [str(python), "-c", DRIVER, '"probe"'], capture_output=True, text=True, timeout=300, env=env
     )
     if probe.returncode != 0:
-        pytest.skip(f"{compat_venv} lacks lmcache-rust-raw-block-io (0.5.6's raw_block needs it)")
+        pytest.skip(
+            f"0.5.6's raw_block does not load in {compat_venv} (pip install "
+            f"lmcache-rust-raw-block-io there): {probe.stderr.strip().splitlines()[-1:]}"
+        )
     return python
 
 
