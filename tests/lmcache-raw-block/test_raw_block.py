@@ -281,3 +281,13 @@ def test_bench_l2_round_trip(device):
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout[proc.stdout.index("{") :])["metrics"]
     assert [report[f"op_{i}"]["total_success"] for i in (0, 2)] == [4, 4]
+
+
+def test_tasks_submitted_after_close_fail_without_raising(h, device, adapters):
+    a = _build(_spec(device), adapters)
+    a.close()
+    tid = a.submit_store_task([h.key(0)], [h.make_obj(10)])
+    result = a.pop_completed_store_tasks()[tid]
+    assert not result.is_successful() and "closed" in result.error
+    lid = a.submit_load_task([h.key(0)], [h.make_obj(10)])
+    assert not a.query_load_result(lid).test(0)

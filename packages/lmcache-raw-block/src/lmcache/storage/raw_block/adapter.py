@@ -252,16 +252,23 @@ class RawBlockL2Adapter(CompletionChannels, L2AdapterInterface):
 
     # --- store -------------------------------------------------------------------------------
 
-    def _submit(self, pool: ThreadPoolExecutor, fn: Any, *args: Any) -> None:
-        if self._closed:
-            raise RuntimeError("raw_block adapter is closed")
-        pool.submit(self._guarded, fn, *args)
+    def _submit(self, pool: ThreadPoolExecutor, fn: Any, fail: Any, *args: Any) -> None:
+        """Run ``fn(*args)`` on ``pool``; ``fail()`` publishes the task's failure when the
+        adapter is closed or ``fn`` raises (a bug in one task never loses its completion)."""
 
-    def _guarded(self, fn: Any, *args: Any) -> None:
+        def run() -> None:
+            try:
+                fn(*args)
+            except Exception:
+                logger.exception("raw_block: %s failed", fn.__name__)
+                fail()
+
         try:
-            fn(*args)
-        except Exception:  # a bug in one task never loses its completion
-            logger.exception("raw_block: %s failed", fn.__name__)
+            if self._closed:
+                raise RuntimeError("closed")
+            pool.submit(run)
+        except RuntimeError:  # closed, or the pool shut down by a concurrent close
+            fail()
 
     def submit_store_task(self, keys: list[ObjectKey], objects: list[Any]) -> L2TaskId:
         task_id = self._ids.next()
@@ -273,7 +280,16 @@ class RawBlockL2Adapter(CompletionChannels, L2AdapterInterface):
                 ),
             )
             return task_id
-        self._submit(self._store_pool, self._store, task_id, list(keys), list(objects))
+        self._submit(
+            self._store_pool,
+            self._store,
+            lambda: self._store_channel.complete(
+                task_id, L2StoreResult(False, error="the adapter is closed or failed (see log)")
+            ),
+            task_id,
+            list(keys),
+            list(objects),
+        )
         return task_id
 
     def _slot_locked(self) -> int | None:
@@ -310,23 +326,32 @@ class RawBlockL2Adapter(CompletionChannels, L2AdapterInterface):
                 self._storing.add(enc)
                 self._io_inflight += 1
             todo.append((enc, key, obj, slot, view))
-        ios: list[IO] = []
+        # Headers first, then the bytes: a reused slot stops naming its old key (which an
+        # older checkpoint may still list) before its bytes change, so a crash in between
+        # makes recovery drop that key instead of serving it another key's bytes.
+        headers: list[IO] = []
+        payloads: list[IO] = []
         for enc, _key, _obj, slot, view in todo:
             off = geo.slot_offset(slot)
             header = layout.encode_slot_header(enc, len(view), geo.header_bytes)
-            ios.append(IO(off, header, len(header), len(header)))
-            ios.append(IO(off + geo.header_bytes, view, len(view), self._dev.length(len(view))))
+            headers.append(IO(off, header, len(header), len(header)))
+            payloads.append(
+                IO(off + geo.header_bytes, view, len(view), self._dev.length(len(view)))
+            )
         try:
-            ok = self._dev.write(ios)
+            ok = self._dev.write(headers)
+            written = [io for io, good in zip(payloads, ok, strict=True) if good]
+            it = iter(self._dev.write(written))
+            ok = [good and next(it) for good in ok]
         except Exception as exc:
             self._dev.last_error = f"write: {exc}"
-            ok = [False] * len(ios)
+            ok = [False] * len(todo)
         new_keys: list[ObjectKey] = []
         with self._lock:
             for i, (enc, key, obj, slot, view) in enumerate(todo):
                 self._storing.discard(enc)
                 self._io_inflight -= 1
-                if ok[2 * i] and ok[2 * i + 1]:
+                if ok[i]:
                     meta = _object_meta(geo.slot_offset(slot), obj, len(view))
                     self._index[enc] = _Entry(meta, key)
                     self._dirty += 1
@@ -376,7 +401,14 @@ class RawBlockL2Adapter(CompletionChannels, L2AdapterInterface):
         if len(keys) != len(objects):
             self._load_channel.complete(task_id, Bitmap(len(keys)))
             return task_id
-        self._submit(self._load_pool, self._load, task_id, list(keys), list(objects))
+        self._submit(
+            self._load_pool,
+            self._load,
+            lambda: self._load_channel.complete(task_id, Bitmap(len(keys))),
+            task_id,
+            list(keys),
+            list(objects),
+        )
         return task_id
 
     def _load(self, task_id: int, keys: list[ObjectKey], objects: list[Any]) -> None:
@@ -556,11 +588,15 @@ class RawBlockL2Adapter(CompletionChannels, L2AdapterInterface):
         self._close_channels()
 
 
-def _set_cached_positions(obj: Any, positions: list[int]) -> None:
-    """0.5.6 hands the recorded cached positions back on load."""
+def _set_cached_positions(obj: Any, positions: Any) -> None:
+    """0.5.6 hands the recorded cached positions back on load (a malformed record from a
+    checkpoint is ignored: the bytes loaded are right either way)."""
     md = getattr(obj, "metadata", None)
     if md is None:
         return
     import torch
 
-    md.cached_positions = torch.tensor(positions, dtype=torch.long)
+    try:
+        md.cached_positions = torch.tensor(positions, dtype=torch.long)
+    except (TypeError, ValueError, RuntimeError):
+        logger.debug("raw_block: cached_positions %r ignored", positions)
