@@ -93,9 +93,13 @@ class RawBlockL2Adapter(CompletionChannels, L2AdapterInterface):
         self._dev = Device(config)
         try:
             self._geo = self._geometry()
+            self._setup()
         except Exception:
             self._dev.close()
             raise
+
+    def _setup(self) -> None:
+        config = self._cfg
         super().__init__(max_capacity_bytes=self._geo.max_slots * config.slot_bytes)
         self._health = HealthTracker(f"raw_block at {config.device_path}")
         self._lock = threading.Lock()
