@@ -78,15 +78,7 @@ class Device:
                 [io.payload_len for io in ios],
             )
             return self._wait(batch, len(ios))
-        out = []
-        for io in ios:
-            try:
-                self._dev.pwrite_from_buffer(io.offset, io.buf, io.payload_len, io.total_len)
-                out.append(True)
-            except Exception as exc:
-                self.last_error = f"write at offset {io.offset}: {exc}"
-                out.append(False)
-        return out
+        return self._one_by_one(self._dev.pwrite_from_buffer, ios, "write")
 
     def read(self, ios: list[IO]) -> list[bool]:
         if not ios:
@@ -96,13 +88,17 @@ class Device:
                 [io.offset for io in ios], [io.buf for io in ios], [io.total_len for io in ios]
             )
             return self._wait(batch, len(ios))
+        return self._one_by_one(self._dev.pread_into, ios, "read")
+
+    def _one_by_one(self, call: Any, ios: list[IO], verb: str) -> list[bool]:
+        """POSIX: ``call(offset, buf, payload_len, total_len)`` per transfer."""
         out = []
         for io in ios:
             try:
-                self._dev.pread_into(io.offset, io.buf, io.payload_len, io.total_len)
+                call(io.offset, io.buf, io.payload_len, io.total_len)
                 out.append(True)
             except Exception as exc:
-                self.last_error = f"read at offset {io.offset}: {exc}"
+                self.last_error = f"{verb} at offset {io.offset}: {exc}"
                 out.append(False)
         return out
 
