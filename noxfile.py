@@ -356,6 +356,8 @@ def compat(session: nox.Session) -> None:
         "sortedcontainers",
         "cachetools",
         "py-cpuinfo",
+        # 0.5.6's raw_block L2 type (tests/compat/test_raw_block_compat.py)
+        "lmcache-rust-raw-block-io>=0.5.7rc2",
     ]
     install_torch(session)
     session.install("--no-deps", "lmcache==0.5.6")
@@ -364,7 +366,16 @@ def compat(session: nox.Session) -> None:
     session.run("python", "-m", "venv", str(ours), external=True)
     py = str(ours / "bin" / "python")
     session.run(py, "-m", "pip", "install", "-q", TORCH, external=True)
-    session.run(py, "-m", "pip", "install", "-q", str(CORE), external=True)
+    session.run(
+        py,
+        "-m",
+        "pip",
+        "install",
+        "-q",
+        str(CORE),
+        str(PACKAGES / "lmcache-raw-block"),
+        external=True,
+    )
     session.run(py, "-m", "pip", "install", "-q", *COMPAT_TEST_DEPS, external=True)
     session.run(
         py,

@@ -30,7 +30,7 @@ CASES = {
     "null type": ['{"type": null}'],
     "unknown type": ['{"type": "x"}'],
     "unknown type, second flag": [MOCK, '{"type": "nope"}'],
-    "0.5.6-only type": ['{"type": "raw_block"}'],
+    "refused 0.5.6 type": ['{"type": "p2p"}'],
     "non-string type": ['{"type": 1}'],
     "from_dict: missing field": ['{"type": "mock"}'],
     "from_dict: bad value": ['{"type": "mock", "max_size_gb": -1, "mock_bandwidth_gb": 1}'],
@@ -79,6 +79,12 @@ def test_ours_prints_0_5_6_s_sentence_first(outcomes, case):
     assert ours.returncode != 0, ours.stderr[-3000:]
     sentence = _theirs_sentence(theirs.stderr)
     message = _ours_message(ours.stderr)
+    if case == "refused 0.5.6 type":  # intended difference: ours refuses the type itself
+        from lmcache.v1.errors import L2_TYPE_REFUSALS
+
+        assert sentence.startswith("--l2-adapter #1 ('p2p'): "), sentence  # a missing field
+        assert message == L2_TYPE_REFUSALS["p2p"].message("p2p", "--l2-adapter #1")
+        return
     match = UNKNOWN.match(sentence)
     if match is None:
         assert message == sentence
@@ -94,16 +100,17 @@ def test_ours_prints_0_5_6_s_sentence_first(outcomes, case):
     assert "`lmcache plugins`" in message
 
 
-def test_0_5_6_only_type_is_named_as_such_and_never_gets_a_pip_hint(outcomes):
-    message = _ours_message(outcomes["0.5.6-only type"]["ours"].stderr)
-    assert "'raw_block' is an LMCache 0.5.6 type not provided by this release" in message
-    assert "pip install" not in message
+def test_refused_type_says_why_and_never_gets_a_pip_hint(outcomes):
+    message = _ours_message(outcomes["refused 0.5.6 type"]["ours"].stderr)
+    assert "L2 adapter type 'p2p' (LMCache 0.5.6's" in message
+    assert "is not provided by this release" in message and "Use instead: " in message
+    assert "unknown" not in message and "pip install" not in message
     assert "pip install" not in _ours_message(outcomes["unknown type"]["ours"].stderr)
 
 
 def test_the_types_0_5_6_registers_are_all_accounted_for(compat_venv):
     """Every type 0.5.6 ships is ours (core or a wheel of ours) or listed as not provided."""
-    from lmcache.v1.errors import L2_TYPE_WHEELS, LMCACHE_056_ONLY_L2_TYPES
+    from lmcache.v1.errors import L2_TYPE_REFUSALS, L2_TYPE_WHEELS, LMCACHE_056_ONLY_L2_TYPES
 
     script = (
         "import pathlib, re, lmcache.v1.distributed.l2_adapters as p\n"
@@ -126,3 +133,4 @@ def test_the_types_0_5_6_registers_are_all_accounted_for(compat_venv):
     ours = core | set(L2_TYPE_WHEELS) | LMCACHE_056_ONLY_L2_TYPES
     assert theirs <= ours, sorted(theirs - ours)
     assert not LMCACHE_056_ONLY_L2_TYPES - theirs, sorted(LMCACHE_056_ONLY_L2_TYPES - theirs)
+    assert set(L2_TYPE_REFUSALS) <= LMCACHE_056_ONLY_L2_TYPES

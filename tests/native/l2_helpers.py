@@ -180,6 +180,37 @@ class _Engine:
         self.client.close()
 
 
+def store_prompt(server: Any, model: str, block_ids: list[int], seed: int = 7) -> None:
+    """An engine registered with ``server`` stores one NUM_TOKENS prompt from ``block_ids``
+    of a KV cache filled from ``seed``."""
+    writer = _Engine(server.rpc_url, model, _kv_cache(seed, zeros=False))
+    try:
+        assert writer.ctx.submit_store(writer.key("store-a"), block_ids).result(60)
+    finally:
+        writer.close()
+
+
+def retrieve_prompt(
+    server: Any, model: str, src_ids: list[int], dst_ids: list[int], seed: int = 7
+) -> None:
+    """A fresh engine registered with ``server`` finds the prompt ``store_prompt`` stored (all
+    4 chunks, from L2) and retrieves it into ``dst_ids``: byte-identical, nothing else written."""
+    kv = _kv_cache(seed, zeros=True)
+    reader = _Engine(server.rpc_url, model, kv)
+    try:
+        reader.client.call("lookup", reader.key("from-b", worker_id=None), 1)
+        hits = reader.client.call("wait_prefetch_status", "from-b", 30.0)
+        assert hits == 4, f"found {hits} of 4 chunks in L2:\n{server.log()[-4000:]}"
+        assert reader.ctx.submit_retrieve(reader.key("from-b"), dst_ids).result(60)
+    finally:
+        reader.close()
+    expected = _kv_cache(seed, zeros=False)
+    for e, t in zip(expected, kv, strict=True):
+        for src, dst in zip(src_ids, dst_ids, strict=True):
+            assert torch.equal(e[:, src], t[:, dst])
+    assert all(int(t[:, 0].float().abs().sum()) == 0 for t in kv)  # nothing else written
+
+
 def cross_server_round_trip(
     lmcache_server: Callable[..., Any],
     adapter_json: str,
@@ -197,29 +228,10 @@ def cross_server_round_trip(
     n_blocks = NUM_TOKENS // BLOCK
     src_ids = list(range(1, 1 + n_blocks))
     dst_ids = list(range(1 + n_blocks, 1 + 2 * n_blocks))[::-1]
-
-    writer = _Engine(a.rpc_url, model, _kv_cache(7, zeros=False))
-    try:
-        assert writer.ctx.submit_store(writer.key("store-a"), src_ids).result(60)
-    finally:
-        writer.close()
+    store_prompt(a, model, src_ids)
     assert wait_until(lambda: stored_count() >= 4, 60), "server A never wrote its chunks to L2"
     time.sleep(0.5)  # let the last write-behind task settle
-
-    kv = _kv_cache(7, zeros=True)
-    reader = _Engine(b.rpc_url, model, kv)
-    try:
-        reader.client.call("lookup", reader.key("from-b", worker_id=None), 1)
-        hits = reader.client.call("wait_prefetch_status", "from-b", 30.0)
-        assert hits == 4, f"B found {hits} of 4 chunks in L2:\n{b.log()[-4000:]}"
-        assert reader.ctx.submit_retrieve(reader.key("from-b"), dst_ids).result(60)
-    finally:
-        reader.close()
-    expected = _kv_cache(7, zeros=False)
-    for e, t in zip(expected, kv, strict=True):
-        for src, dst in zip(src_ids, dst_ids, strict=True):
-            assert torch.equal(e[:, src], t[:, dst])
-    assert all(int(t[:, 0].float().abs().sum()) == 0 for t in kv)  # nothing else written
+    retrieve_prompt(b, model, src_ids, dst_ids)
 
 
 class Helpers:
@@ -233,6 +245,8 @@ class Helpers:
     wait_until = staticmethod(wait_until)
     Recorder = Recorder
     cross_server_round_trip = staticmethod(cross_server_round_trip)
+    store_prompt = staticmethod(store_prompt)
+    retrieve_prompt = staticmethod(retrieve_prompt)
     Engine = _Engine
     kv_cache = staticmethod(_kv_cache)
     BLOCK_IDS = list(range(1, 1 + NUM_TOKENS // BLOCK))  # the blocks of one prompt

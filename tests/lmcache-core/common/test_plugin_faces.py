@@ -125,6 +125,7 @@ STORAGE_WHEELS = ["fs", "redis", "s3", "nixl"]
 PLUGINS = [
     *[(PACKAGES / f"lmcache-{n}/src", "device", f"lmcache.devices.{n}") for n in DEVICE_WHEELS],
     *[(PACKAGES / f"lmcache-{n}/src", "storage", f"lmcache.storage.{n}") for n in STORAGE_WHEELS],
+    (PACKAGES / "lmcache-raw-block/src", "storage", "lmcache.storage.raw_block"),
     (EXAMPLES / "lmcache-foo-device/src", "device", "lmcache_foo"),
     (EXAMPLES / "lmc_external_l2_adapter/src", "storage", "lmc_external_l2_adapter"),
     (EXAMPLES / "lmc_external_native_connector/src", "storage", "lmc_external_native_connector"),

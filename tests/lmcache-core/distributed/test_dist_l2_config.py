@@ -139,11 +139,13 @@ PLUGINS_HINT = "`lmcache plugins` lists the installed types and the plugins that
             "Type 'redis' comes with the lmcache-redis wheel: pip install lmcache-redis; "
             + PLUGINS_HINT,
         ),
-        (
-            '"raw_block"',
-            f"--l2-adapter #1: unknown adapter type 'raw_block'. Known: {BUILTINS}",
-            "'raw_block' is an LMCache 0.5.6 type not provided by this release (see "
-            "docs/compat.md, L2 adapter types); use one of the known types. " + PLUGINS_HINT,
+        (  # a 0.5.6 type refused with its reason (L2_TYPE_REFUSALS): never "unknown"
+            '"dax"',
+            "--l2-adapter #1: L2 adapter type 'dax' (LMCache 0.5.6's CXL / persistent-memory "
+            "store on a device-DAX character device (/dev/daxX.Y, mmap)) is not provided by "
+            "this release: it needs device-DAX hardware",
+            "Use instead: raw_block (the lmcache-raw-block wheel) on a block device or "
+            "pre-sized file, or fs",
         ),
     ],
 )
@@ -160,9 +162,9 @@ def test_unknown_type_text_is_0_5_6_s_then_the_fix(l2_registry, type_json, first
 
 def test_unknown_type_lists_every_registered_type():
     with pytest.raises(UnknownL2AdapterTypeError) as exc:
-        parse('{"type": "aerospike"}')
+        parse('{"type": "not_a_type"}')
     assert str(exc.value) == (
-        "--l2-adapter #1: unknown adapter type 'aerospike'. Known: "
+        "--l2-adapter #1: unknown adapter type 'not_a_type'. Known: "
         + ", ".join(get_registered_l2_adapter_types())
         + ". "
         + exc.value.hint
@@ -181,7 +183,7 @@ def test_install_hints_name_only_our_wheels():
         registered.update(dict.fromkeys(names, hooks.parents[4].name))
     assert registered == L2_TYPE_WHEELS
     assert not set(L2_TYPE_WHEELS) & LMCACHE_056_ONLY_L2_TYPES
-    for name in ("x", "raw_block", "valkey", "mooncake_store", "nixl_store_dynamic"):
+    for name in ("x", "dax", "valkey", "mooncake_store", "nixl_store_dynamic"):
         message = str(UnknownL2AdapterTypeError(name, ["mock"], where="--l2-adapter #1"))
         assert "pip install" not in message, message
 
