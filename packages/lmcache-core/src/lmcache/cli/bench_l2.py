@@ -398,9 +398,9 @@ def _bench_one(
     """One adapter: (its full result, the measured rounds of each op run, in run order)."""
     import torch
 
+    from lmcache.v1.distributed.api import MemoryLayoutDesc
     from lmcache.v1.distributed.l1_memory import L1Allocator
     from lmcache.v1.distributed.l2_adapters.registry import default_l2_adapter_registry
-    from lmcache.v1.distributed.api import MemoryLayoutDesc
     from lmcache.v1.distributed.serde.factory import create_serde_processor
 
     l2_types = default_l2_adapter_registry()

@@ -38,8 +38,8 @@ from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
 from lmcache.v1.distributed.l2_adapters.health import adapter_health
 from lmcache.v1.distributed.l2_adapters.registry import default_l2_adapter_registry
 from lmcache.v1.distributed.l2_adapters.serde_wrapper import SerdeL2AdapterWrapper
-from lmcache.v1.distributed.serde.factory import create_serde_processor
 from lmcache.v1.distributed.prefetch_controller import PrefetchController
+from lmcache.v1.distributed.serde.factory import create_serde_processor
 from lmcache.v1.distributed.storage_policies import create_prefetch_policy, create_store_policy
 from lmcache.v1.distributed.store_controller import StoreController
 from lmcache.v1.memory_management import MemoryObj

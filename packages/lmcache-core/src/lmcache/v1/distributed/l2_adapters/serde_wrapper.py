@@ -163,7 +163,9 @@ class SerdeL2AdapterWrapper(CompletionChannels, WrappingL2Adapter):
     def _fail(self, what: str, exc: BaseException | None = None) -> None:
         with self._mu:
             self._errors += 1
-        logger.warning("serde %r: %s task failed%s", self._serde_name, what, f": {exc}" if exc else "")
+        logger.warning(
+            "serde %r: %s task failed%s", self._serde_name, what, f": {exc}" if exc else ""
+        )
 
     def _submit_task(
         self,

@@ -14,18 +14,18 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from lmcache.utils.lazy import lazy_attributes, lazy_dir
+from lmcache.v1.distributed.serde.base import (
+    Deserializer,
+    SerdeConfig,
+    SerdeProcessor,
+    SerdeRejectedError,
+    SerdeTaskId,
+    Serializer,
+)
 
 if TYPE_CHECKING:
     from lmcache.v1.distributed.serde.aesgcm import AesGcmDeserializer, AesGcmSerializer
     from lmcache.v1.distributed.serde.async_processor import AsyncSerdeProcessor
-    from lmcache.v1.distributed.serde.base import (
-        Deserializer,
-        SerdeConfig,
-        SerdeProcessor,
-        SerdeRejectedError,
-        SerdeTaskId,
-        Serializer,
-    )
     from lmcache.v1.distributed.serde.checksum import ChecksumDeserializer, ChecksumSerializer
     from lmcache.v1.distributed.serde.factory import (
         create_serde_processor,
@@ -46,14 +46,6 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     for module, names in {
         "aesgcm": ("AesGcmDeserializer", "AesGcmSerializer"),
         "async_processor": ("AsyncSerdeProcessor",),
-        "base": (
-            "Deserializer",
-            "SerdeConfig",
-            "SerdeProcessor",
-            "SerdeRejectedError",
-            "SerdeTaskId",
-            "Serializer",
-        ),
         "checksum": ("ChecksumDeserializer", "ChecksumSerializer"),
         "factory": (
             "create_serde_processor",
@@ -68,6 +60,29 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     for name in names
 }
 
-__all__ = sorted(_LAZY)
+__all__ = [
+    "AesGcmDeserializer",
+    "AesGcmSerializer",
+    "AsyncSerdeProcessor",
+    "ChecksumDeserializer",
+    "ChecksumSerializer",
+    "Deserializer",
+    "Fp8QuantizationDeserializer",
+    "Fp8QuantizationSerializer",
+    "HkdfKeyProvider",
+    "IdentityDeserializer",
+    "IdentitySerializer",
+    "KeyProvider",
+    "SerdeConfig",
+    "SerdeProcessor",
+    "SerdeRejectedError",
+    "SerdeTaskId",
+    "Serializer",
+    "create_serde_processor",
+    "get_registered_serde_types",
+    "make_temp_key",
+    "register_serde_factory",
+    "serialized_layout_desc",
+]
 __getattr__ = lazy_attributes(__name__, _LAZY)
 __dir__ = lazy_dir(globals(), _LAZY)

@@ -51,6 +51,8 @@ HKDF_INFO_PREFIX = b"lmcache-l2-aesgcm-v1"  # 0.5.6's: the same master key, the 
 
 
 class AesGcmSerializer(Serializer):
+    """The object's bytes sealed with AES-GCM under its ``cache_salt``'s key (0.5.6's frame)."""
+
     def __init__(self, key_provider: KeyProvider) -> None:
         self._keys = key_provider
 
@@ -69,6 +71,8 @@ class AesGcmSerializer(Serializer):
 
 
 class AesGcmDeserializer(Deserializer):
+    """Opens a frame of ``AesGcmSerializer``; any other input is rejected."""
+
     def __init__(self, key_provider: KeyProvider) -> None:
         self._keys = key_provider
 

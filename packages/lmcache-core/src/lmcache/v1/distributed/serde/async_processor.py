@@ -40,6 +40,9 @@ class _Side:
 
 
 class AsyncSerdeProcessor(SerdeProcessor):
+    """A ``SerdeProcessor`` running ``serializer`` / ``deserializer`` on a pool of
+    ``max_workers`` threads (see the module docstring)."""
+
     def __init__(
         self, serializer: Serializer, deserializer: Deserializer, max_workers: int = 1
     ) -> None:
@@ -58,10 +61,12 @@ class AsyncSerdeProcessor(SerdeProcessor):
 
     @property
     def serializer(self) -> Serializer:
+        """The synchronous serializer the pool runs."""
         return self._serializer
 
     @property
     def deserializer(self) -> Deserializer:
+        """The synchronous deserializer the pool runs."""
         return self._deserializer
 
     @property

@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey
-from lmcache.v1.memory_management import MemoryObj
+if TYPE_CHECKING:  # annotations only: importing this module (adapter configs do) needs no torch
+    from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey
+    from lmcache.v1.memory_management import MemoryObj
 
 __all__ = [
     "Deserializer",
@@ -32,6 +34,7 @@ __all__ = [
     "Serializer",
 ]
 
+#: Id of one submitted serialize or deserialize batch.
 SerdeTaskId = int
 
 
@@ -79,29 +82,41 @@ class SerdeProcessor(abc.ABC):
     (True success, False failure, None still running). The two fds must differ."""
 
     @abc.abstractmethod
-    def get_serialize_event_fd(self) -> int: ...
+    def get_serialize_event_fd(self) -> int:
+        """The fd that becomes readable when a serialize task ends."""
 
     @abc.abstractmethod
-    def get_deserialize_event_fd(self) -> int: ...
+    def get_deserialize_event_fd(self) -> int:
+        """The fd that becomes readable when a deserialize task ends (not the serialize one)."""
 
     @abc.abstractmethod
     def submit_serialize(
         self, src_objs: list[MemoryObj], dst_objs: list[MemoryObj], keys: list[ObjectKey]
-    ) -> SerdeTaskId: ...
+    ) -> SerdeTaskId:
+        """Start serializing each KV object of ``src_objs`` into the byte buffer at the same
+        position of ``dst_objs`` (``keys`` pair up with both); returns the task id."""
 
     @abc.abstractmethod
-    def query_serialize_result(self, task_id: SerdeTaskId) -> bool | None: ...
+    def query_serialize_result(self, task_id: SerdeTaskId) -> bool | None:
+        """True (every object serialized) or False once the task ended, then forgets it;
+        None while it runs."""
 
     @abc.abstractmethod
     def submit_deserialize(
         self, src_objs: list[MemoryObj], dst_objs: list[MemoryObj], keys: list[ObjectKey]
-    ) -> SerdeTaskId: ...
+    ) -> SerdeTaskId:
+        """Start deserializing each byte buffer of ``src_objs`` into the KV object at the
+        same position of ``dst_objs``; returns the task id."""
 
     @abc.abstractmethod
-    def query_deserialize_result(self, task_id: SerdeTaskId) -> bool | None: ...
+    def query_deserialize_result(self, task_id: SerdeTaskId) -> bool | None:
+        """True or False once the task ended (False: some object could not be decoded, the
+        load must be a miss), then forgets it; None while it runs."""
 
     @abc.abstractmethod
-    def estimate_serialized_size(self, layout_desc: MemoryLayoutDesc) -> int: ...
+    def estimate_serialized_size(self, layout_desc: MemoryLayoutDesc) -> int:
+        """The serializer's ``estimate_serialized_size``: the temporary buffer size."""
 
     @abc.abstractmethod
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """Finish running tasks and release threads and fds."""

@@ -63,6 +63,8 @@ def _digest(key: ObjectKey, payload: memoryview) -> bytes:
 
 
 class ChecksumSerializer(Serializer):
+    """The object's bytes behind the checksum header."""
+
     def serialize(self, src: MemoryObj, dst: MemoryObj, key: ObjectKey) -> int:
         payload = byte_view(src)
         out = byte_view(dst)
@@ -76,6 +78,8 @@ class ChecksumSerializer(Serializer):
 
 
 class ChecksumDeserializer(Deserializer):
+    """The payload of a checksum frame whose header and digest match the key and object; any other input is rejected."""
+
     def deserialize(self, src: MemoryObj, dst: MemoryObj, key: ObjectKey) -> None:
         out = byte_view(dst)
         data = byte_view(src)

@@ -28,6 +28,8 @@ def _byte_tensor(obj: MemoryObj) -> torch.Tensor:
 
 
 class Fp8QuantizationSerializer(Serializer):
+    """Each element cast to one fp8 byte (0.5.6's bytes)."""
+
     def __init__(self, fp8_dtype: torch.dtype = torch.float8_e4m3fn) -> None:
         self._fp8_dtype = fp8_dtype
 
@@ -45,6 +47,8 @@ class Fp8QuantizationSerializer(Serializer):
 
 
 class Fp8QuantizationDeserializer(Deserializer):
+    """fp8 bytes cast back to the destination's dtype."""
+
     def __init__(self, fp8_dtype: torch.dtype = torch.float8_e4m3fn) -> None:
         self._fp8_dtype = fp8_dtype
 
@@ -65,7 +69,9 @@ def fp8_dtype_named(name: str) -> torch.dtype:
     dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype) or dtype.itemsize != 1 or not dtype.is_floating_point:
         choices = sorted(n for n in dir(torch) if n.startswith("float8_"))
-        raise ValueError(f"fp8 serde: fp8_dtype {name!r} is not a float8 dtype; use one of {choices}")
+        raise ValueError(
+            f"fp8 serde: fp8_dtype {name!r} is not a float8 dtype; use one of {choices}"
+        )
     return dtype
 
 

@@ -15,6 +15,8 @@ __all__ = ["IdentityDeserializer", "IdentitySerializer"]
 
 
 class IdentitySerializer(Serializer):
+    """The object's bytes, unchanged."""
+
     def serialize(self, src: MemoryObj, dst: MemoryObj, key: ObjectKey) -> int:
         data = byte_view(src)
         byte_view(dst)[: len(data)] = data
@@ -25,6 +27,8 @@ class IdentitySerializer(Serializer):
 
 
 class IdentityDeserializer(Deserializer):
+    """The stored bytes back into the object, unchanged."""
+
     def deserialize(self, src: MemoryObj, dst: MemoryObj, key: ObjectKey) -> None:
         out, data = byte_view(dst), byte_view(src)
         if len(data) < len(out):

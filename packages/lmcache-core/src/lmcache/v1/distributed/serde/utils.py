@@ -20,7 +20,9 @@ def layout_nbytes(layout_desc: MemoryLayoutDesc) -> int:
     return total
 
 
-def serialized_layout_desc(layout_desc: MemoryLayoutDesc, serde: SerdeProcessor) -> MemoryLayoutDesc:
+def serialized_layout_desc(
+    layout_desc: MemoryLayoutDesc, serde: SerdeProcessor
+) -> MemoryLayoutDesc:
     """The flat uint8 layout of a temporary buffer that holds one serialized object of
     ``layout_desc`` (``serde.estimate_serialized_size`` bytes, at least 1)."""
     n = int(serde.estimate_serialized_size(layout_desc))
