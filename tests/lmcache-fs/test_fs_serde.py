@@ -136,7 +136,7 @@ def _prefetch(sm: StorageManager, keys: list[ObjectKey]):
     return sm.query_prefetch_status(handle)
 
 
-def test_one_corrupt_object_is_a_miss_and_counted_the_others_load(h, tmp_path):
+def test_one_corrupt_object_misses_alone_and_is_counted(h, tmp_path):
     base = tmp_path / "fs"
     base.mkdir()
     keys = [_key(i) for i in range(4)]
@@ -157,16 +157,20 @@ def test_one_corrupt_object_is_a_miss_and_counted_the_others_load(h, tmp_path):
 
     sm = _storage_manager(base)  # a fresh engine: L1 empty, everything comes from fs
     try:
-        r = _prefetch(sm, keys[2:3])
-        assert repr(r.l2_hit_cells[0]) == "0"  # the corrupt object: a miss
+        # one load task: the corrupt object misses alone (the prefix before it is served;
+        # a prefetch keeps only the prefix, so the object after it is not offered)
+        r = _prefetch(sm, keys)
+        assert repr(r.l2_hit_cells[0]) == "1100"
         st = sm.report_status()["l2_adapters"][0]["status"]
         assert st["serde"] == "checksum" and st["serde_rejected_chunks"] == 1
-        r = _prefetch(sm, keys[:2])
-        assert repr(r.l2_hit_cells[0]) == "11"  # the good ones still load, byte-identical
-        with sm.read_prefetched_results(keys[:2], r.l1_owners[0]) as got:
+        hit = keys[:2]
+        with sm.read_prefetched_results(hit, r.l1_owners[0]) as got:
             for o, v in zip(got, values[:2], strict=True):
-                assert torch.equal(o.tensor, v.to(torch.bfloat16))
-        sm.finish_read_prefetched(keys[:2], 1, r.l1_owners[0])
+                assert torch.equal(o.tensor, v.to(torch.bfloat16))  # byte-identical
+        sm.finish_read_prefetched(hit, 1, r.l1_owners[0])
+        r = _prefetch(sm, keys[2:3])  # asked again: still a miss, counted again
+        assert repr(r.l2_hit_cells[0]) == "0"
+        assert sm.report_status()["l2_adapters"][0]["status"]["serde_rejected_chunks"] == 2
     finally:
         sm.close()
     os.unlink(victim)

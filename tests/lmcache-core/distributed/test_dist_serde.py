@@ -331,5 +331,29 @@ def test_processor_counts_each_rejected_object_and_fails_the_task():
             is False
         )
         assert proc.rejected_chunks == 2
+        assert proc.pop_rejected_positions(did) == [1, 3]  # the others were decoded
+        assert proc.pop_rejected_positions(did) is None
+    finally:
+        proc.close()
+
+
+def test_a_failure_other_than_a_rejection_fails_the_whole_batch():
+    class Broken(ChecksumDeserializer):
+        def deserialize(self, src, dst, key):
+            if bytes(src.byte_array[:4]) != b"LMCK":
+                raise RuntimeError("not a rejection")
+            super().deserialize(src, dst, key)
+
+    ser = ChecksumSerializer()
+    proc = AsyncSerdeProcessor(ser, Broken())
+    try:
+        good, _ = round_trip(ser, ChecksumDeserializer(), kv(10))
+        bad = bytearray(good)
+        bad[100] ^= 0xFF
+        srcs = [BytesBufferMemoryObj(bytes(bad)), BytesBufferMemoryObj(b"junk" * 10)]
+        did = proc.submit_deserialize(srcs, [empty_kv(), empty_kv()], [KEY] * 2)
+        fd = proc.get_deserialize_event_fd()
+        assert _wait(fd, lambda: proc.query_deserialize_result(did)) is False
+        assert proc.pop_rejected_positions(did) is None  # no partial result
     finally:
         proc.close()

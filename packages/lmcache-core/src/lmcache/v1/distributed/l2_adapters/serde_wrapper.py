@@ -9,9 +9,10 @@ Load: the inner adapter loads into temporaries of ``estimate_serialized_size`` b
 object's layout is the caller's buffer's), then the serde deserializes them into the caller's
 buffers. As in 0.5.6, a serde's stored size must be what that estimate says for adapters that
 load exactly a buffer's size (``fs``); every built-in serde's is. Lookup, unlock and delete
-pass straight through. A failed serialize fails the store; a failed or rejected deserialize
-makes the whole load task a miss, never wrong data, and ``report_status()`` counts the
-rejected chunks (``serde_rejected_chunks``).
+pass straight through. A failed serialize fails the store; a failed deserialize makes the
+whole load task a miss (0.5.6), except that objects the serde only rejected (corrupt, foreign:
+``AsyncSerdeProcessor.pop_rejected_positions``) miss alone; never wrong data.
+``report_status()`` counts the rejected chunks (``serde_rejected_chunks``).
 """
 
 from __future__ import annotations
@@ -80,6 +81,7 @@ class _Load:
     ) -> None:
         self.tid, self.keys, self.objects, self.tmps = tid, keys, objects, tmps
         self.hits = Bitmap(len(keys))
+        self.decoded: list[int] = []  # positions handed to deserialize, in order
 
 
 def _layout_of(obj: MemoryObj) -> MemoryLayoutDesc:
@@ -287,6 +289,7 @@ class SerdeL2AdapterWrapper(CompletionChannels, WrappingL2Adapter):
                 continue
             for i in hit:
                 ld.hits.set(i)
+            ld.decoded = hit
             self._deserializing[sid] = ld
 
     def _collect_deserialized(self) -> None:
@@ -295,9 +298,17 @@ class SerdeL2AdapterWrapper(CompletionChannels, WrappingL2Adapter):
             if ok is None:
                 continue
             ld = self._deserializing.pop(sid)
+            bm = ld.hits
             if not ok:
                 self._fail("load")
-            self._finish_load(ld, ld.hits if ok else Bitmap(len(ld.keys)))
+                pop = getattr(self._serde, "pop_rejected_positions", None)
+                rejected = pop(sid) if pop is not None else None
+                if rejected:  # only those objects miss; the others were decoded
+                    for j in rejected:
+                        bm.clear(ld.decoded[j])
+                else:
+                    bm = Bitmap(len(ld.keys))
+            self._finish_load(ld, bm)
 
     def _finish_load(self, ld: _Load, bm: Bitmap) -> None:
         ld.tmps.free()

@@ -4,8 +4,10 @@ built from a synchronous Serializer/Deserializer pair.
 Each submitted batch runs on a thread pool of ``max_workers`` threads (default 1), never on
 the submitter's thread (the L2 wrapper's poll thread, the server's event loop). When a batch
 ends, its result is kept until queried and the serialize or deserialize event fd is woken.
-A batch fails as a whole when one object fails; objects a deserializer rejects
-(``SerdeRejectedError``) are counted in ``rejected_chunks``.
+A batch fails as a whole when one object fails (0.5.6's result). Objects a deserializer
+rejects (``SerdeRejectedError``) are counted in ``rejected_chunks``, and when rejections are
+a batch's only failures, ``pop_rejected_positions`` (ours) names them, so that the L2 wrapper
+misses only those objects and serves the rest of the batch.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class _Side:
         self.name = name
         self.notifier: EventNotifier = create_event_notifier()
         self.results: dict[SerdeTaskId, bool] = {}
+        self.rejected: dict[SerdeTaskId, list[int]] = {}
 
 
 class AsyncSerdeProcessor(SerdeProcessor):
@@ -74,6 +77,13 @@ class AsyncSerdeProcessor(SerdeProcessor):
         """Objects the deserializer rejected as corrupt or not its own, since start."""
         with self._lock:
             return self._rejected
+
+    def pop_rejected_positions(self, task_id: SerdeTaskId) -> list[int] | None:
+        """After a deserialize task reported False: the positions of the objects rejected
+        as corrupt or foreign when those were its only failures (the others were decoded),
+        else None. Asked once per task."""
+        with self._lock:
+            return self._de.rejected.pop(task_id, None)
 
     def get_serialize_event_fd(self) -> int:
         return self._ser.notifier.fileno()
@@ -142,8 +152,8 @@ class AsyncSerdeProcessor(SerdeProcessor):
         keys: list[ObjectKey],
     ) -> None:
         ok = True
-        rejected = 0
-        for src, dst, key in zip(src_objs, dst_objs, keys, strict=True):
+        rejected: list[int] = []
+        for i, (src, dst, key) in enumerate(zip(src_objs, dst_objs, keys, strict=True)):
             try:
                 if side is self._ser:
                     n = self._serializer.serialize(src, dst, key)
@@ -153,14 +163,18 @@ class AsyncSerdeProcessor(SerdeProcessor):
                 else:
                     self._deserializer.deserialize(src, dst, key)
             except SerdeRejectedError as e:
-                ok, rejected = False, rejected + 1
+                ok = False
+                rejected.append(i)
                 logger.warning("serde %s task %d: object rejected: %s", side.name, task_id, e)
             except Exception:
                 ok = False
+                rejected = []  # not only rejections: the batch fails as a whole
                 logger.exception("serde %s task %d failed", side.name, task_id)
                 break
         with self._lock:
-            self._rejected += rejected
+            self._rejected += len(rejected)
+            if rejected:
+                side.rejected[task_id] = rejected
             side.results[task_id] = ok
         try:
             side.notifier.notify()
