@@ -156,6 +156,20 @@ def test_damaged_input_is_rejected_never_decoded(pair, damage):
     assert int(out.tensor.float().abs().sum()) == 0  # nothing written
 
 
+@pytest.mark.parametrize(
+    "pair",
+    [
+        (IdentitySerializer(), IdentityDeserializer()),
+        (Fp8QuantizationSerializer(), Fp8QuantizationDeserializer()),
+    ],
+)
+def test_a_short_object_is_rejected_by_the_unchecked_serdes_too(pair):
+    ser, de = pair
+    stored, _ = round_trip(ser, de, kv(11))
+    with pytest.raises(SerdeRejectedError):
+        de.deserialize(BytesBufferMemoryObj(stored[:-1]), empty_kv(), KEY)
+
+
 def test_checksum_binds_the_key():
     ser, de = ChecksumSerializer(), ChecksumDeserializer()
     stored, _ = round_trip(ser, de, kv(6))

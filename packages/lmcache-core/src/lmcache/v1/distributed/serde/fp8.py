@@ -13,7 +13,12 @@ import torch
 from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey
 from lmcache.v1.distributed.serde._common import check_options, group_tensors, int_option
 from lmcache.v1.distributed.serde.async_processor import AsyncSerdeProcessor
-from lmcache.v1.distributed.serde.base import Deserializer, SerdeProcessor, Serializer
+from lmcache.v1.distributed.serde.base import (
+    Deserializer,
+    SerdeProcessor,
+    SerdeRejectedError,
+    Serializer,
+)
 from lmcache.v1.distributed.serde.factory import register_serde_factory
 from lmcache.v1.memory_management import MemoryObj
 
@@ -57,7 +62,7 @@ class Fp8QuantizationDeserializer(Deserializer):
         groups = group_tensors(dst)
         need = sum(t.numel() for t in groups)
         if data.numel() < need:
-            raise ValueError(f"fp8 serde: {data.numel()} bytes for {need} elements")
+            raise SerdeRejectedError(f"fp8: {data.numel()} bytes for {need} elements")
         off = 0
         for t in groups:
             q = data[off : off + t.numel()].view(self._fp8_dtype).reshape(t.shape)

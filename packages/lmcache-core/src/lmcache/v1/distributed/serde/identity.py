@@ -6,7 +6,12 @@ from __future__ import annotations
 from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey
 from lmcache.v1.distributed.serde._common import byte_view, check_options, int_option
 from lmcache.v1.distributed.serde.async_processor import AsyncSerdeProcessor
-from lmcache.v1.distributed.serde.base import Deserializer, SerdeProcessor, Serializer
+from lmcache.v1.distributed.serde.base import (
+    Deserializer,
+    SerdeProcessor,
+    SerdeRejectedError,
+    Serializer,
+)
 from lmcache.v1.distributed.serde.factory import register_serde_factory
 from lmcache.v1.distributed.serde.utils import layout_nbytes
 from lmcache.v1.memory_management import MemoryObj
@@ -32,7 +37,7 @@ class IdentityDeserializer(Deserializer):
     def deserialize(self, src: MemoryObj, dst: MemoryObj, key: ObjectKey) -> None:
         out, data = byte_view(dst), byte_view(src)
         if len(data) < len(out):
-            raise ValueError(f"identity serde: {len(data)} bytes for a {len(out)}-byte object")
+            raise SerdeRejectedError(f"identity: {len(data)} bytes for a {len(out)}-byte object")
         out[:] = data[: len(out)]
 
 
