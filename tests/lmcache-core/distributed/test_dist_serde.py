@@ -111,6 +111,23 @@ def test_fp8_stores_one_byte_per_element_and_decodes_to_the_cast(fp8):
     assert not torch.equal(out.tensor, src.tensor)  # lossy
 
 
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_fp8_decode_of_every_byte_is_the_cast_bit_for_bit(fp8, dtype):
+    every = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    out = torch.empty(256, dtype=dtype)
+    meta = MemoryObjMetadata(
+        shape=out.shape, dtype=dtype, address=0, phy_size=256 * out.element_size(), ref_count=1
+    )
+    Fp8QuantizationDeserializer(fp8).deserialize(
+        BytesBufferMemoryObj(every.numpy().tobytes()),
+        TensorMemoryObj(out.view(torch.uint8), meta),
+        KEY,
+    )
+    want = every.view(fp8).to(dtype)  # NaN patterns included: compare the bits
+    assert torch.equal(out.view(torch.uint8), want.view(torch.uint8))
+
+
 def test_fp8_keeps_the_destination_dtype():
     ser, de = Fp8QuantizationSerializer(), Fp8QuantizationDeserializer()
     src = kv(3, torch.float32)
