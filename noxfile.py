@@ -57,6 +57,7 @@ TYPECHECK_TARGETS = [
     "-m", "lmcache.v1.distributed.l2_adapters.api",
     "-m", "lmcache.v1.distributed.l2_adapters.base",
     "-m", "lmcache.v1.distributed.l2_adapters.config",
+    "-p", "lmcache.v1.distributed.serde",  # 0.5.6's serde package (base, factory, ...)
 ]  # fmt: skip
 
 nox.options.sessions = ["lint", "tests"]

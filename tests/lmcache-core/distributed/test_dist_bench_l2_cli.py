@@ -146,40 +146,76 @@ def test_further_adapters_get_their_own_sections(capsys):
     assert len(m["l2"]["adapters"]) == 2
 
 
+def _register_test_serde(monkeypatch, name, serializer, deserializer):
+    from lmcache.v1.distributed.serde import AsyncSerdeProcessor, factory
+
+    factory.get_registered_serde_types()  # the built-ins first
+    monkeypatch.setitem(
+        factory._REGISTRY, name, lambda kw: AsyncSerdeProcessor(serializer, deserializer)
+    )
+
+
 def test_serde_block_is_applied(monkeypatch, capsys):
-    from lmcache.v1.distributed.l2_adapters import serde_wrapper
+    from lmcache.v1.distributed.serde.identity import IdentityDeserializer, IdentitySerializer
 
     calls = {"serialize": 0, "deserialize": 0}
 
-    class Counting(serde_wrapper.IdentitySerde):
-        def serialize(self, src, dst):
+    class CountingS(IdentitySerializer):
+        def serialize(self, src, dst, key):
             calls["serialize"] += 1
-            return super().serialize(src, dst)
+            return super().serialize(src, dst, key)
 
-        def deserialize(self, src, dst):
+    class CountingD(IdentityDeserializer):
+        def deserialize(self, src, dst, key):
             calls["deserialize"] += 1
-            return super().deserialize(src, dst)
+            return super().deserialize(src, dst, key)
 
-    monkeypatch.setitem(serde_wrapper._SERDES, "counting-test", Counting)
+    _register_test_serde(monkeypatch, "counting-test", CountingS(), CountingD())
     spec = json.dumps({**json.loads(MOCK), "serde": {"type": "counting-test"}})
     argv = ["bench", "l2", "--l2-adapter", spec, *SMALL, "--warmup-rounds", "0"]
     assert main([*argv, "--no-skip-verify", "--format", "json"]) == 0
     res = json.loads(capsys.readouterr().out)["metrics"]["l2"]["adapters"][0]["results"]
     assert res["load"]["successful_keys"] == 4 and res["load"]["verify_mismatched_keys"] == 0
-    assert calls == {"serialize": 4, "deserialize": 4}
+    # the bench's 4 objects through the adapter, then the cost and verify round trips (8)
+    assert calls == {"serialize": 4 + 8, "deserialize": 4 + 8}
+    assert res["serde"]["type"] == "counting-test" and res["serde"]["compression_ratio"] == 1.0
+
+
+@pytest.mark.parametrize(("serde", "ratio"), [("fp8", 2.0), ("checksum", None), ("identity", 1.0)])
+def test_serde_cost_is_reported(serde, ratio, capsys):
+    spec = json.dumps({**json.loads(MOCK), "serde": {"type": serde}})
+    argv = ["bench", "l2", "--l2-adapter", spec, *SMALL, "--no-skip-verify", "--format", "json"]
+    assert main(argv) == 0
+    res = json.loads(capsys.readouterr().out)["metrics"]["l2"]["adapters"][0]["results"]
+    cost = res["serde"]
+    assert cost["type"] == serde and cost["encode_gb_per_s"] > 0 and cost["decode_gb_per_s"] > 0
+    if ratio is not None:
+        assert cost["compression_ratio"] == ratio
+    else:  # checksum: a 32-byte header
+        assert cost["stored_bytes"] == cost["object_bytes"] + 32
+    assert res["load"]["verify_mismatched_keys"] == 0  # fp8: equal to its own decode
+    assert main(["bench", "l2", "--l2-adapter", spec, *SMALL]) == 0  # terminal: a Serde section
+    assert "Compression ratio" in capsys.readouterr().out
 
 
 def test_failed_verification_exits_1_after_the_report(monkeypatch, capsys):
-    from lmcache.v1.distributed.l2_adapters import serde_wrapper
+    from lmcache.v1.distributed.serde.identity import IdentityDeserializer, IdentitySerializer
 
-    class Corrupting(serde_wrapper.IdentitySerde):
-        def deserialize(self, src, dst):
-            super().deserialize(src, dst)
-            dst[0] = (dst[0] + 1) % 256
+    class Corrupting(IdentityDeserializer):
+        def __init__(self):
+            self.loads = 0
 
-    monkeypatch.setitem(serde_wrapper._SERDES, "corrupting-test", Corrupting)
+        def deserialize(self, src, dst, key):
+            super().deserialize(src, dst, key)
+            self.loads += 1
+            if self.loads <= 4:  # the loads through the adapter, not the bench's own check
+                b = dst.byte_array
+                b[0] = (b[0] + 1) % 256
+
+    _register_test_serde(monkeypatch, "corrupting-test", IdentitySerializer(), Corrupting())
     spec = json.dumps({**json.loads(MOCK), "serde": {"type": "corrupting-test"}})
     argv = ["bench", "l2", "--l2-adapter", spec, *SMALL, "--no-skip-verify", "--format", "json"]
+    argv += ["--warmup-rounds", "0"]
     assert main(argv) == 1  # as 0.5.6: the report first, then exit 1
     cap = capsys.readouterr()
     res = json.loads(cap.out)["metrics"]["l2"]["adapters"][0]["results"]
@@ -195,7 +231,7 @@ def test_failed_verification_exits_1_after_the_report(monkeypatch, capsys):
         (["--l2-adapter", MOCK, "--num-keys", "0"], "--num-keys must be >= 1"),
         (
             ["--l2-adapter", MOCK[:-1] + ',"serde":{"type":"nope"}}'],
-            "--l2-adapter #1: unknown L2 serde type 'nope'. Registered serdes: ",
+            "--l2-adapter #1: Unknown serde type 'nope'. Registered: ",
         ),
         (["--l2-adapter", MOCK, "--flamegraph", "on"], "--flamegraph on"),
     ],
@@ -208,13 +244,14 @@ def test_bench_l2_errors_are_one_line(argv, text, capsys, monkeypatch):
 
 
 def test_unknown_serde_names_every_registered_one(capsys):
-    from lmcache.v1.distributed.l2_adapters.serde_wrapper import get_registered_l2_serdes
+    from lmcache.v1.distributed.serde import get_registered_serde_types
 
     spec = json.dumps({**json.loads(MOCK), "serde": {"type": "nope"}})
     assert main(["bench", "l2", "--l2-adapter", spec, *SMALL]) == 2
     err = capsys.readouterr().err
-    known = get_registered_l2_serdes()
-    assert "identity" in known and f"Registered serdes: {', '.join(known)} " in err
+    known = get_registered_serde_types()
+    assert {"aesgcm", "checksum", "fp8", "identity"} <= set(known)
+    assert f"Registered: {', '.join(known)} " in err
 
 
 def test_format_is_checked_by_argparse(capsys):

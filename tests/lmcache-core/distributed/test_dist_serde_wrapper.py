@@ -1,9 +1,7 @@
-"""SerdeL2AdapterWrapper (docs/design/storage-engine.md#l2-wrappers) and the L2 serde registry, with
+"""SerdeL2AdapterWrapper (docs/design/storage-engine.md#l2-wrappers) and the serde factory, with
 real threads, a real mock adapter and real L1 memory."""
 
 from __future__ import annotations
-
-import zlib
 
 import pytest
 import torch
@@ -22,19 +20,17 @@ from lmcache.v1.distributed.config import (
     StorageManagerConfig,
 )
 from lmcache.v1.distributed.l1_manager import L1Manager
-from lmcache.v1.distributed.l2_adapters.config import (
-    L2AdaptersConfig,
-    SerdeConfig,
-    parse_l2_adapter_dict,
-)
+from lmcache.v1.distributed.l2_adapters.config import L2AdaptersConfig, parse_l2_adapter_dict
 from lmcache.v1.distributed.l2_adapters.mock_l2_adapter import MockL2Adapter, MockL2AdapterConfig
-from lmcache.v1.distributed.l2_adapters.serde_wrapper import (
-    IdentitySerde,
-    SerdeL2AdapterWrapper,
-    create_l2_serde,
-    get_registered_l2_serdes,
-    register_l2_serde,
+from lmcache.v1.distributed.l2_adapters.serde_wrapper import SerdeL2AdapterWrapper
+from lmcache.v1.distributed.serde import (
+    AsyncSerdeProcessor,
+    SerdeConfig,
+    create_serde_processor,
+    get_registered_serde_types,
+    register_serde_factory,
 )
+from lmcache.v1.distributed.serde.identity import IdentityDeserializer, IdentitySerializer
 from lmcache.v1.distributed.storage_manager import StorageManager
 
 LAYOUT = MemoryLayoutDesc([torch.Size([1024])], [torch.float32])  # 4 KiB objects
@@ -45,44 +41,30 @@ def key(i: int) -> ObjectKey:
     return ObjectKey(ObjectKey.IntHash2Bytes(i), "model", KV)
 
 
-class ZlibSerde:
-    def __init__(self, level: int = 6) -> None:
-        self.level = level
+class ExplodingSerializer(IdentitySerializer):
+    """Fails on objects whose first byte is 0xEE."""
 
-    def max_serialized_size(self, nbytes: int) -> int:
-        return nbytes + nbytes // 100 + 64
-
-    def serialize(self, src: memoryview, dst: memoryview) -> int:
-        out = zlib.compress(src, self.level)
-        dst[: len(out)] = out
-        return len(out)
-
-    def deserialize(self, src: memoryview, dst: memoryview) -> None:
-        out = zlib.decompress(src)
-        if len(out) != len(dst):
-            raise ValueError("zlib: size mismatch")
-        dst[:] = out
+    def serialize(self, src, dst, key):
+        if src.byte_array[0] == 0xEE:
+            raise RuntimeError("boom")
+        return super().serialize(src, dst, key)
 
 
-class ExplodingSerde(IdentitySerde):
-    """Fails on objects whose first byte is 0xEE (store) or on any load when armed."""
-
+class ExplodingDeserializer(IdentityDeserializer):
     fail_loads = False
 
-    def serialize(self, src: memoryview, dst: memoryview) -> int:
-        if src[0] == 0xEE:
-            raise RuntimeError("boom")
-        return super().serialize(src, dst)
-
-    def deserialize(self, src: memoryview, dst: memoryview) -> None:
+    def deserialize(self, src, dst, key):
         if self.fail_loads:
             raise RuntimeError("boom on load")
-        super().deserialize(src, dst)
+        super().deserialize(src, dst, key)
 
 
-for _name, _factory in (("zlib_test", ZlibSerde), ("exploding_test", ExplodingSerde)):
-    if _name not in get_registered_l2_serdes():
-        register_l2_serde(_name, _factory)
+def _exploding(kwargs):
+    return AsyncSerdeProcessor(ExplodingSerializer(), ExplodingDeserializer())
+
+
+if "exploding_test" not in get_registered_serde_types():
+    register_serde_factory("exploding_test", _exploding)
 
 
 @pytest.fixture
@@ -112,8 +94,8 @@ def staging(l1: L1Manager, keys):
 
 def make_wrapper(l1: L1Manager, serde_name: str = "identity"):
     inner = MockL2Adapter(MockL2AdapterConfig(1.0, 100.0))
-    serde = create_l2_serde(SerdeConfig(serde_name))
-    return inner, SerdeL2AdapterWrapper(inner, serde, serde_name, l1)
+    serde = create_serde_processor(SerdeConfig(serde_name))
+    return inner, SerdeL2AdapterWrapper(inner, serde, l1, serde_name=serde_name)
 
 
 def store(w, keys, objs):
@@ -139,24 +121,28 @@ def compressible_fill(i, o):
     o.tensor.fill_(float(i))
 
 
-@pytest.mark.parametrize("serde_name", ["identity", "zlib_test"])
+STORED_BYTES = {"identity": 4096, "checksum": 4096 + 32, "fp8": 1024}
+
+
+@pytest.mark.parametrize("serde_name", ["identity", "checksum", "fp8"])
 def test_round_trip_through_wrapper(l1, serde_name):
     inner, w = make_wrapper(l1, serde_name)
     try:
         keys = [key(i) for i in range(4)]
-        fill = compressible_fill if serde_name == "zlib_test" else random_fill
-        src = l1_objects(l1, keys, fill)
+        src = l1_objects(l1, keys, random_fill)
         r = store(w, keys, src)
         assert r.is_successful()
         assert all(inner.debug_has_key(k) for k in keys)
         stored = inner.debug_used_bytes()
-        if serde_name == "identity":
-            assert stored == 4 * 4096
-        else:
-            assert 0 < stored < 4 * 4096  # the inner adapter holds compressed bytes
+        assert stored == 4 * STORED_BYTES[serde_name]  # the inner adapter holds what was written
         assert w.get_usage().total_bytes_used == stored  # usage is the inner adapter's
         assert repr(lookup(w, keys + [key(99)])) == "11110"
-        expected = [bytes(o.byte_array) for o in src]
+        if serde_name == "fp8":
+            expected = [
+                o.tensor.to(torch.float8_e4m3fn).to(torch.float32).numpy().tobytes() for o in src
+            ]
+        else:
+            expected = [bytes(o.byte_array) for o in src]
         dst = staging(l1, keys)
         bm = load(w, keys, dst)
         assert repr(bm) == "1111"
@@ -182,10 +168,10 @@ def test_serialisation_error_fails_only_that_task(l1):
         r_good = store(w, good, gobjs)
         assert r_good.is_successful() and all(inner.debug_has_key(k) for k in good)
         # a deserialisation error fails that load task as a whole; the wrapper keeps going
-        w._serde.fail_loads = True
+        w._serde.deserializer.fail_loads = True
         assert repr(load(w, good, staging(l1, good))) == "00"
         l1.finish_write_and_delete(good, "load")
-        w._serde.fail_loads = False
+        w._serde.deserializer.fail_loads = False
         assert repr(load(w, good, staging(l1, good))) == "11"
         l1.finish_write_and_delete(good, "load")
         st = w.report_status()
@@ -243,7 +229,7 @@ def make_sm(adapter_dict) -> StorageManager:
     return StorageManager(cfg, eviction_interval_s=60)
 
 
-@pytest.mark.parametrize("serde_name", ["identity", "zlib_test"])
+@pytest.mark.parametrize("serde_name", ["identity", "checksum"])
 def test_storage_manager_stores_and_prefetches_through_serde(serde_name):
     sm = make_sm(
         {
@@ -284,21 +270,24 @@ def test_unknown_serde_type_names_type_and_registered_ones():
             {"type": "mock", "max_size_gb": 0.01, "mock_bandwidth_gb": 1, "serde": {"type": "zstd"}}
         )
     msg = str(ei.value)
-    assert "unknown L2 serde type 'zstd'" in msg and "identity" in msg and "zlib_test" in msg
+    assert "Unknown serde type 'zstd'. Registered: " in msg
+    assert all(t in msg for t in ("aesgcm", "checksum", "fp8", "identity", "exploding_test"))
 
 
 def test_registry_rejects_duplicates_and_bad_options():
-    assert "identity" in get_registered_l2_serdes()
-    with pytest.raises(ValueError, match="L2 serde already registered: 'identity'"):
-        register_l2_serde("identity", IdentitySerde)
-    with pytest.raises(ValueError, match="serde 'identity': bad options"):
-        create_l2_serde(SerdeConfig("identity", {"level": 3}))
+    assert {"identity", "fp8", "aesgcm", "checksum"} <= set(get_registered_serde_types())
+    with pytest.raises(ValueError, match="Serde type already registered: 'fp8'"):
+        register_serde_factory("fp8", _exploding)
+    with pytest.raises(ValueError, match="serde option 'max_workers' must be an integer"):
+        create_serde_processor(SerdeConfig("identity", {"max_workers": "many"}))
+    with pytest.raises(ValueError, match="max_workers must be >= 1"):
+        create_serde_processor(SerdeConfig("identity", {"max_workers": 0}))
 
 
 def test_many_tasks_in_flight_from_several_threads(l1):
     import threading
 
-    inner, w = make_wrapper(l1, "zlib_test")
+    inner, w = make_wrapper(l1, "checksum")
     try:
         groups = [[key(100 * g + i) for i in range(3)] for g in range(6)]
         objs = [

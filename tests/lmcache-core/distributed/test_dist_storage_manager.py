@@ -925,7 +925,7 @@ def test_unknown_serde_type_is_refused_at_start_naming_the_registered_ones():
     cfg = parse_l2_adapter_dict(
         1, {"type": "mock", "max_size_gb": 0.01, "mock_bandwidth_gb": 1, "serde": {"type": "zstd"}}
     )
-    with pytest.raises(ValueError, match="unknown L2 serde type 'zstd'.*identity"):
+    with pytest.raises(ValueError, match="Unknown serde type 'zstd'. Registered: .*identity"):
         make_sm([cfg])
 
 

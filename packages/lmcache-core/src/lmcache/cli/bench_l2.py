@@ -8,7 +8,12 @@ with buffers carved from one arena, waits on the adapter's event fds and records
 duration and the round's wall time. ``--l2-adapter`` is repeatable (each adapter is benchmarked
 on its own) and falls back to the env var ``L2_ADAPTER_JSON``. A ``serde`` block in the
 adapter JSON wraps the adapter in that serde, as the server's storage manager does; an
-unknown serde type is an error naming the registered ones.
+unknown serde type is an error naming the registered ones (exit 2). With a serde the objects
+hold bfloat16 values (normal, std 1: KV-like, so ``fp8`` has something to quantize), the load
+check compares with the serde's own round trip of each object (exact for lossless serdes),
+and ``results.serde`` (in ``metrics.l2`` of ``--format json``; a ``Serde`` section in the
+terminal report) has its cost measured on the same objects on one thread: encode and decode
+GB/s of object bytes and the compression ratio (object bytes / stored bytes).
 
 The report is LMCache 0.5.6's (``lmcache.cli.report``; ``--format terminal`` by default,
 ``--format json``, ``--output PATH``, ``-q``): title ``L2 Adapter Benchmark Result``, a
@@ -314,10 +319,77 @@ def _wrap_with_serde(adapter: Any, serde: Any, serde_type: str, alloc: Any) -> A
     )
     l1 = L1Manager(L1ManagerConfig(memory_config=mem), allocator=alloc)
     try:
-        return SerdeL2AdapterWrapper(adapter, serde, serde_type, l1)
+        return SerdeL2AdapterWrapper(adapter, serde, l1, serde_name=serde_type)
     except BaseException:
         adapter.close()
+        serde.close()
         raise
+
+
+def _serde_round_trip(serde: Any, obj: Any) -> tuple[Any, int, float, float]:
+    """``obj`` through the serde's own serializer and deserializer on this thread, under
+    one fixed key: (the decoded copy, stored bytes, encode seconds, decode seconds)."""
+    import torch
+
+    from lmcache.v1.distributed.api import ObjectKey
+    from lmcache.v1.memory_management import BytesBufferMemoryObj
+
+    key = ObjectKey(b"bench-l2-serde", "bench", 0)
+
+    layout = _layout(obj)
+    buf = BytesBufferMemoryObj(bytearray(serde.estimate_serialized_size(layout)))
+    out = _object_like(obj)
+    t0 = time.perf_counter()
+    n = serde.serializer.serialize(obj, buf, key)
+    t1 = time.perf_counter()
+    serde.deserializer.deserialize(buf, out, key)
+    t2 = time.perf_counter()
+    assert isinstance(out.tensor, torch.Tensor)
+    return out, int(n), t1 - t0, t2 - t1
+
+
+def _layout(obj: Any) -> Any:
+    from lmcache.v1.distributed.api import MemoryLayoutDesc
+
+    return MemoryLayoutDesc(list(obj.get_shapes()), list(obj.get_dtypes()))
+
+
+def _object_like(obj: Any) -> Any:
+    """A fresh memory object of ``obj``'s shape and dtype (not from the arena)."""
+    import torch
+
+    from lmcache.v1.memory_management import MemoryFormat, MemoryObjMetadata, TensorMemoryObj
+
+    t = torch.empty(obj.tensor.shape, dtype=obj.tensor.dtype)
+    raw = t.view(-1).view(torch.uint8)
+    meta = MemoryObjMetadata(
+        shape=t.shape,
+        dtype=t.dtype,
+        address=0,
+        phy_size=raw.numel(),
+        ref_count=1,
+        fmt=MemoryFormat.KV_2LTD,
+    )
+    return TensorMemoryObj(raw, meta)
+
+
+def _serde_cost(serde: Any, serde_type: str, objs: list[Any]) -> dict[str, Any]:
+    """``results.serde``: the serde's cost on ``objs``, one thread."""
+    enc = dec = 0.0
+    raw = stored = 0
+    for obj in objs:
+        _out, n, te, td = _serde_round_trip(serde, obj)
+        enc, dec = enc + te, dec + td
+        raw, stored = raw + obj.get_size(), stored + n
+    return {
+        "type": serde_type,
+        "objects": len(objs),
+        "object_bytes": raw // max(1, len(objs)),
+        "stored_bytes": stored // max(1, len(objs)),
+        "compression_ratio": round(raw / stored, 4) if stored else 0.0,
+        "encode_gb_per_s": round(raw / enc / 1e9, 3) if enc > 0 else 0.0,
+        "decode_gb_per_s": round(raw / dec / 1e9, 3) if dec > 0 else 0.0,
+    }
 
 
 def _bench_one(
@@ -326,9 +398,10 @@ def _bench_one(
     """One adapter: (its full result, the measured rounds of each op run, in run order)."""
     import torch
 
+    from lmcache.v1.distributed.api import MemoryLayoutDesc
     from lmcache.v1.distributed.l1_memory import L1Allocator
     from lmcache.v1.distributed.l2_adapters.registry import default_l2_adapter_registry
-    from lmcache.v1.distributed.l2_adapters.serde_wrapper import create_l2_serde
+    from lmcache.v1.distributed.serde.factory import create_serde_processor
 
     l2_types = default_l2_adapter_registry()
     serde_cfg = None
@@ -340,7 +413,7 @@ def _bench_one(
         cfg = l2_types.parse(d, where=f"--l2-adapter #{index}")
         serde_cfg = getattr(cfg, "serde_config", None)
         # as the storage manager: the serde is built (and an unknown type refused) first
-        serde = create_l2_serde(serde_cfg) if serde_cfg is not None else None
+        serde = create_serde_processor(serde_cfg) if serde_cfg is not None else None
     except ValueError as exc:
         raise CLIError(f"--l2-adapter #{index}: {exc}" if serde_cfg else str(exc)) from exc
     nbytes = args.data_size_kb * 1024
@@ -348,8 +421,14 @@ def _bench_one(
     slot = (nbytes + align - 1) // align * align
     n_bufs = 2 * args.in_flight * args.num_keys
     size = slot * n_bufs + align
+    # with a serde: KV-like bfloat16 objects of the same byte size
+    shape, dt = (
+        ([torch.Size([nbytes])], [torch.uint8])
+        if serde is None
+        else ([torch.Size([nbytes // 2])], [torch.bfloat16])
+    )
     if serde is not None:  # room for the wrapper's serialized temporaries of one wave
-        tmp = serde.max_serialized_size(nbytes)
+        tmp = serde.estimate_serialized_size(MemoryLayoutDesc(shape, dt))
         size += 2 * args.in_flight * args.num_keys * ((tmp + align - 1) // align * align + align)
     alloc = L1Allocator(size, align, shm_name="", use_hugepages=args.l1_use_hugepages)
     try:
@@ -357,6 +436,8 @@ def _bench_one(
         if serde is not None:
             adapter = _wrap_with_serde(adapter, serde, serde_cfg.type, alloc)
     except BaseException:
+        if serde is not None:
+            serde.close()
         alloc.close()
         raise
     baseline = None
@@ -365,13 +446,17 @@ def _bench_one(
         threads = workers if isinstance(workers, int) and workers > 0 else 4
         baseline = _PageCacheBaseline(_baseline_dir(d), threads)
     try:
-        shape, dt = [torch.Size([nbytes])], [torch.uint8]
         src = [alloc.batched_allocate(shape, dt, args.num_keys) for _ in range(args.in_flight)]
         dst = [alloc.batched_allocate(shape, dt, args.num_keys) for _ in range(args.in_flight)]
         gen = torch.Generator().manual_seed(0)
         for group in src:
             for o in group:
-                o.tensor.copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen))
+                if serde is None:
+                    o.tensor.copy_(
+                        torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen)
+                    )
+                else:
+                    o.tensor.copy_(torch.randn(o.tensor.shape, generator=gen).to(dt[0]))
         bench = _Bench(adapter, args, alloc)
         stored: list[list[Any]] = []
         results: dict[str, Any] = {}
@@ -400,12 +485,21 @@ def _bench_one(
                     rounds.append(r)
             results[op] = _summary(op, rounds, args.num_keys)
             raw[op] = rounds
-        if "load" in ops and not args.skip_verify:
-            mismatched = sum(
-                int(not torch.equal(s.tensor, d_.tensor))
-                for sg, dg in zip(src, dst, strict=False)
-                for s, d_ in zip(sg, dg, strict=False)
+        # a serde built on AsyncSerdeProcessor exposes its codec: cost and expected decode
+        codec = serde if hasattr(serde, "serializer") and hasattr(serde, "deserializer") else None
+        if serde is not None:
+            objs = [o for g in src for o in g]
+            results["serde"] = (
+                _serde_cost(codec, serde_cfg.type, objs)
+                if codec is not None
+                else {"type": serde_cfg.type, "cost": "not measured: not an AsyncSerdeProcessor"}
             )
+        if "load" in ops and not args.skip_verify:
+            mismatched = 0
+            for sg, dg in zip(src, dst, strict=False):
+                for s_, d_ in zip(sg, dg, strict=False):
+                    want = s_ if codec is None else _serde_round_trip(codec, s_)[0]
+                    mismatched += int(not torch.equal(want.tensor, d_.tensor))
             results["load"]["verify_mismatched_keys"] = mismatched
         measured = {"store": store_rounds, **raw}
         full = {"adapter": d, "type": d.get("type"), "results": results}
@@ -470,6 +564,13 @@ def run(args: argparse.Namespace) -> int:
             sec.add(key, key, value)
     else:
         for n, (r, _raw) in enumerate(runs, start=1):
+            cost = r["results"].get("serde")
+            if cost and "encode_gb_per_s" in cost:
+                sec = report.section(f"serde_{n}", "Serde" + ("" if n == 1 else f" (adapter {n})"))
+                sec.add("type", "Serde", cost["type"])
+                sec.add("encode_gb_per_s", "Encode (GB/s, 1 thread)", cost["encode_gb_per_s"])
+                sec.add("decode_gb_per_s", "Decode (GB/s, 1 thread)", cost["decode_gb_per_s"])
+                sec.add("compression_ratio", "Compression ratio", cost["compression_ratio"])
             pcw = r["results"].get("baselines", {}).get("page_cache_write")
             if pcw:
                 label = "Baseline: page-cache write" + ("" if n == 1 else f" (adapter {n})")

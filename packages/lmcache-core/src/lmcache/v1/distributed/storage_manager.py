@@ -37,11 +37,9 @@ from lmcache.v1.distributed.l2_adapters.base import AdapterUsage, L2AdapterInter
 from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
 from lmcache.v1.distributed.l2_adapters.health import adapter_health
 from lmcache.v1.distributed.l2_adapters.registry import default_l2_adapter_registry
-from lmcache.v1.distributed.l2_adapters.serde_wrapper import (
-    SerdeL2AdapterWrapper,
-    create_l2_serde,
-)
+from lmcache.v1.distributed.l2_adapters.serde_wrapper import SerdeL2AdapterWrapper
 from lmcache.v1.distributed.prefetch_controller import PrefetchController
+from lmcache.v1.distributed.serde.factory import create_serde_processor
 from lmcache.v1.distributed.storage_policies import create_prefetch_policy, create_store_policy
 from lmcache.v1.distributed.store_controller import StoreController
 from lmcache.v1.memory_management import MemoryObj
@@ -131,15 +129,20 @@ class StorageManager:
 
     def _create_adapter(self, acfg: L2AdapterConfigBase) -> Any:
         serde_cfg = getattr(acfg, "serde_config", None)
-        serde = create_l2_serde(serde_cfg) if serde_cfg is not None else None  # fail early
-        l1_index = self._l1_index_for_tag(acfg.affinity_tag)
-        desc = self.l1_managers[l1_index].get_l1_memory_desc()
-        adapter: L2AdapterInterface = default_l2_adapter_registry().create(acfg, desc)
+        serde = create_serde_processor(serde_cfg) if serde_cfg is not None else None  # fail early
+        try:
+            l1_index = self._l1_index_for_tag(acfg.affinity_tag)
+            desc = self.l1_managers[l1_index].get_l1_memory_desc()
+            adapter: L2AdapterInterface = default_l2_adapter_registry().create(acfg, desc)
+        except BaseException:
+            if serde is not None:
+                serde.close()
+            raise
         type_name = acfg.type_name  # read after create: a 0.5.6-style class learns it there
         try:
             if serde is not None:
                 adapter = SerdeL2AdapterWrapper(
-                    adapter, serde, serde_cfg.type, self.l1_managers[l1_index]
+                    adapter, serde, self.l1_managers[l1_index], serde_name=serde_cfg.type
                 )
             adapter.set_backend_identity(type_name, bool(getattr(acfg, "shared", False)))
             slot = self.registry.add(adapter, type_name, acfg.affinity_tag, l1_index, acfg)

@@ -92,6 +92,12 @@ _COUNTERS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
         (),
     ),
     "lmcache_mp_l2_evicted_objects_chunks": ("chunks evicted from L2", (), ()),
+    # ours: loads an adapter's serde refused (corrupt, truncated, wrong key): misses
+    "lmcache_mp_l2_serde_rejected_chunks": (
+        "L2 objects a serde rejected on load (served as misses)",
+        ("l2_name", "serde"),
+        (),
+    ),
     # internals (0.5.6; 0 where we have no such queue)
     "lmcache_mp_event_bus_dropped_events": ("dropped events (no event bus: 0)", (), ()),
     "lmcache_mp_timeouts": ("timed out waits", ("exception_type",), ()),

@@ -232,6 +232,16 @@ class ServerRuntime:
             ("lmcache_mp_l2_prefetch_failure_chunks", {"reason": r, "model_name": m}, int(n))
             for r, m, n in prefetch.get("failed_keys_by_reason_and_model") or []
         ]
+        rejected: dict[tuple[str, str], int] = {}
+        for a in _parts(status.get("l2_adapters")):
+            st = a.get("status") or {}
+            if "serde_rejected_chunks" in st:
+                k = (str(a.get("type", "?")), str(st.get("serde", "?")))
+                rejected[k] = rejected.get(k, 0) + int(st["serde_rejected_chunks"])
+        feeds += [
+            ("lmcache_mp_l2_serde_rejected_chunks", {"l2_name": t, "serde": sd}, n)
+            for (t, sd), n in rejected.items()
+        ]
         for name, labels, now in feeds:
             key = (name, tuple(sorted(labels.items())))
             delta = now - self._fed.get(key, 0)

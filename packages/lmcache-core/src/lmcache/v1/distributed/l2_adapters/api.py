@@ -74,6 +74,7 @@ FACE_MODULES: tuple[str, ...] = (
     "lmcache.v1.distributed.l2_adapters.api",
     "lmcache.v1.distributed.l2_adapters.base",
     "lmcache.v1.distributed.l2_adapters.config",
+    "lmcache.v1.distributed.serde",
 )
 """Every lmcache-core module a storage wheel may import: this module plus the 0.5.6 paths.
 The plugin-faces test enforces it on our wheels; ``nox -s typecheck`` runs mypy on them."""

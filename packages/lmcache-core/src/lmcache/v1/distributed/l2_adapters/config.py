@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from lmcache.utils.lazy import lazy_attributes, lazy_dir
 from lmcache.v1.distributed.compat_056_names import compat_lazy_table
 from lmcache.v1.distributed.eviction_config import EvictionConfig
+from lmcache.v1.distributed.serde.base import SerdeConfig
 
 if TYPE_CHECKING:
     # Typed views of the 0.5.6 names below; at run time __getattr__ imports them.
@@ -81,15 +82,6 @@ class PersistConfig:
     in the adapter's JSON, default true)."""
 
     persist_enabled: bool = True
-
-
-@dataclass
-class SerdeConfig:
-    """The adapter's ``serde`` block: the serializer ``type`` wrapped around the adapter and
-    its other keys as ``kwargs``."""
-
-    type: str
-    kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 class L2AdapterConfigBase(abc.ABC):
