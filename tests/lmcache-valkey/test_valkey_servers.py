@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import subprocess
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -30,7 +31,9 @@ def _adapter(cluster, **extra) -> str:
 def pair(lmcache_server_module, cluster):
     """Servers A and B on the cluster (per cluster engine, for the module)."""
     flags = ("--l2-adapter", _adapter(cluster), "--supported-transfer-mode", "auto")
-    return lmcache_server_module(*flags), lmcache_server_module(*flags)
+    with ThreadPoolExecutor(2) as pool:  # both start at once: half the wait
+        a, b = pool.map(lambda _: lmcache_server_module(*flags), range(2))
+    return a, b
 
 
 def _key(engine, rid: str, first: int, end: int = NUM_TOKENS, worker_id=0):
@@ -166,7 +169,7 @@ def test_reshard_mid_run_loses_nothing(h, pair, cluster):
     reshard = subprocess.Popen(
         [REDIS_CLI, "--cluster", "reshard", f"127.0.0.1:{src}"]
         + ["--cluster-from", ids[src], "--cluster-to", ids[dst]]
-        + ["--cluster-slots", "3000", "--cluster-yes", "--cluster-pipeline", "5"],
+        + ["--cluster-slots", "1000", "--cluster-yes", "--cluster-pipeline", "5"],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

@@ -70,7 +70,10 @@ class _Batch:
             self._left -= 1
             last = self._left == 0
         if last:
-            self._done(self.results, self.errors)
+            try:
+                self._done(self.results, self.errors)
+            except Exception:  # a bug here would leave the task without a result: say so
+                logger.exception("valkey: finishing a task failed; its result is lost")
 
 
 class ValkeyL2Adapter(CompletionChannels, L2AdapterInterface):
