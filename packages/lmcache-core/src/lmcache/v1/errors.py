@@ -47,6 +47,7 @@ L2_TYPE_WHEELS: dict[str, str] = {
     "resp": "lmcache-redis",
     "redis": "lmcache-redis",
     "s3": "lmcache-s3",
+    "valkey": "lmcache-valkey",
     "nixl_store": "lmcache-nixl",
     "nixl_native": "lmcache-nixl",
 }
@@ -66,7 +67,6 @@ LMCACHE_056_ONLY_L2_TYPES: frozenset[str] = frozenset(
         "p2p",
         "raw_block",
         "sagemaker-hyperpod",
-        "valkey",
     }
 )
 
