@@ -202,13 +202,22 @@ def test_dead_master_fails_only_its_keys_and_health_names_it(h, adapters, cluste
         cluster.restart_node(victim)
     # glide reconnects on its own; stores land again within moments
     eventually(lambda: h.store(a, keys, objs, timeout=60).is_successful(), "stores land", 30, 0.5)
-    assert h.lookup(a, keys).get_indices_list() == list(range(24))
-    a.submit_unlock(keys)
+
+    def all_found() -> bool:
+        hits = h.lookup(a, keys, timeout=60)
+        a.submit_unlock(hits.gather(keys))
+        return hits.get_indices_list() == list(range(24))
+
+    eventually(all_found, "every key found again", 30, 0.5)  # each worker's client reconnects
     eventually(lambda: a.report_status()["is_healthy"], "healthy again", 20)
 
 
 def test_tls_without_the_ca_is_refused_naming_tls_ca_file(h, adapters, redis_tls_server):
     node = f"127.0.0.1:{redis_tls_server.port}"
     with pytest.raises(LMCacheConfigError) as err:
-        adapters.append(h.build("valkey", startup_nodes=node, tls_enable=True, num_workers=1))
+        adapters.append(
+            h.build(
+                "valkey", startup_nodes=node, tls_enable=True, num_workers=1, connection_timeout=2
+            )
+        )
     assert node in str(err.value) and "tls_ca_file" in str(err.value)

@@ -33,7 +33,9 @@ def pair(lmcache_server_module, cluster):
     flags = ("--l2-adapter", _adapter(cluster), "--supported-transfer-mode", "auto")
     with ThreadPoolExecutor(2) as pool:  # both start at once: half the wait
         a, b = pool.map(lambda _: lmcache_server_module(*flags), range(2))
-    return a, b
+    yield a, b
+    for srv in (a, b):  # before the next engine's pair starts
+        srv.stop()
 
 
 def _key(engine, rid: str, first: int, end: int = NUM_TOKENS, worker_id=0):

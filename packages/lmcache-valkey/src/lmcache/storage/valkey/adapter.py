@@ -14,6 +14,7 @@ nodes that do not answer; operation failures feed the same ``HealthTracker``.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from types import ModuleType
@@ -151,8 +152,6 @@ class ValkeyL2Adapter(CompletionChannels, L2AdapterInterface):
         client = getattr(self._local, "client", None)
         if client is not None:
             return client
-        import time
-
         failed: tuple[float, BaseException] | None = getattr(self._local, "failed", None)
         if failed is not None and time.monotonic() - failed[0] < CONNECT_RETRY_S:
             raise ConnectionError(f"not connected: {_one_line(failed[1])}")
