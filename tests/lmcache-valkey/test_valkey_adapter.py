@@ -113,6 +113,10 @@ def test_mode_mismatch_is_refused_with_the_fix(h, adapters, redis_server, redis_
     with pytest.raises(LMCacheConfigError) as err:
         adapters.append(h.build("valkey", startup_nodes=node, num_workers=1))
     assert node in str(err.value) and '"cluster_mode": true' in str(err.value)
+    node = f"127.0.0.1:{redis_server.port}"
+    with pytest.raises(LMCacheConfigError) as err:
+        adapters.append(h.build("valkey", startup_nodes=node, cluster_mode=True, num_workers=1))
+    assert node in str(err.value) and '"cluster_mode": false' in str(err.value)
 
 
 def test_cluster_round_trip_over_every_master(h, adapters, cluster):
@@ -215,9 +219,5 @@ def test_dead_master_fails_only_its_keys_and_health_names_it(h, adapters, cluste
 def test_tls_without_the_ca_is_refused_naming_tls_ca_file(h, adapters, redis_tls_server):
     node = f"127.0.0.1:{redis_tls_server.port}"
     with pytest.raises(LMCacheConfigError) as err:
-        adapters.append(
-            h.build(
-                "valkey", startup_nodes=node, tls_enable=True, num_workers=1, connection_timeout=2
-            )
-        )
+        adapters.append(h.build("valkey", startup_nodes=node, tls_enable=True, num_workers=1))
     assert node in str(err.value) and "tls_ca_file" in str(err.value)

@@ -98,7 +98,12 @@ class ValkeyL2Adapter(CompletionChannels, L2AdapterInterface):
         self._known_nodes: list[tuple[str, int]] = list(config.startup_nodes)
         self._tls = self._tls_config()
         self._probe_client: Any = None
-        self._check_deployment()
+        try:
+            self._check_deployment()
+        except BaseException:
+            self._close_clients()
+            self._close_channels()
+            raise
         self._pool = ThreadPoolExecutor(config.num_workers, thread_name_prefix="valkey")
         self._prober: threading.Thread | None = None
         if config.health_check_interval_s > 0:
@@ -176,10 +181,13 @@ class ValkeyL2Adapter(CompletionChannels, L2AdapterInterface):
                 f"valkey: TLS to {where} failed ({text}); set tls_ca_file to the CA bundle "
                 "that signed the server's certificate, or check tls_enable"
             )
-        if self._cfg.cluster_mode and "cluster" in text.lower() and "disabled" in text.lower():
+        lower = text.lower()
+        if self._cfg.cluster_mode and (
+            ("cluster" in lower and "disabled" in lower) or "no topology views" in lower
+        ):
             return LMCacheConfigError(
-                f'valkey: {where} is not a cluster node ({text}); set "cluster_mode": false '
-                "for a standalone server"
+                f"valkey: {where} gave no cluster topology ({text}): it is not a cluster "
+                'node; set "cluster_mode": false for a standalone server'
             )
         return None
 
@@ -408,6 +416,7 @@ class ValkeyL2Adapter(CompletionChannels, L2AdapterInterface):
             except Exception as exc:
                 self._down(["all startup_nodes"], _one_line(exc), None)
                 return self._down_nodes
+            self._health.success("connect")
         if not self._cfg.cluster_mode:
             try:
                 client.ping()
@@ -501,6 +510,15 @@ class ValkeyL2Adapter(CompletionChannels, L2AdapterInterface):
 
     # --- close ---------------------------------------------------------------------------------
 
+    def _close_clients(self) -> None:
+        with self._mu:
+            clients, self._clients = self._clients, []
+        for c in clients:
+            try:
+                c.close()
+            except Exception as exc:
+                logger.debug("valkey: closing a client raised %s", exc)
+
     def close(self) -> None:
         if self._closed:
             return
@@ -509,12 +527,6 @@ class ValkeyL2Adapter(CompletionChannels, L2AdapterInterface):
         self._pool.shutdown(wait=True, cancel_futures=True)
         if self._prober is not None:
             self._prober.join(timeout=self._cfg.request_timeout * 4 + 5)
-        with self._mu:
-            clients, self._clients = self._clients, []
-        for c in clients:
-            try:
-                c.close()
-            except Exception as exc:
-                logger.debug("valkey: closing a client raised %s", exc)
+        self._close_clients()
         self._locks.clear()
         self._close_channels()
