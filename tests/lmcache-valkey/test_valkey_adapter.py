@@ -221,3 +221,23 @@ def test_tls_without_the_ca_is_refused_naming_tls_ca_file(h, adapters, redis_tls
     with pytest.raises(LMCacheConfigError) as err:
         adapters.append(h.build("valkey", startup_nodes=node, tls_enable=True, num_workers=1))
     assert node in str(err.value) and "tls_ca_file" in str(err.value)
+
+
+def test_server_prints_a_bad_valkey_config_in_one_line():
+    import json
+    import os
+    import subprocess
+    import sys
+
+    bad = {"type": "valkey", "startup_nodes": "10.0.0.1:6379,10.0.0.2"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "lmcache.cli.main", "server", "--l2-adapter", json.dumps(bad)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "LMCACHE_TRACK_USAGE": "false"},
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "Traceback" not in out, out
+    lines = [ln for ln in out.splitlines() if ln.startswith("lmcache server: error: ")]
+    assert len(lines) == 1 and "'10.0.0.2'" in lines[0] and "host:port" in lines[0], out
