@@ -2,9 +2,11 @@
 (``[<key_prefix>@]<object name>``), on Valkey or Redis, standalone or cluster.
 
 Each of ``num_workers`` threads holds its own glide sync client (a glide call blocks its
-thread and releases the GIL); every key of a task is one job on that pool, so one task's keys
-go out in parallel and each key succeeds or fails on its own. A cluster's slot map, MOVED and
-ASK redirections and reconnects after a failover are glide's: this adapter never routes.
+thread and releases the GIL). Every key of a store, load or delete is one job on that pool, so
+one task's keys go out in parallel (a load ``GET``s straight into the L1 buffer); a lookup is
+one job sending a non-atomic glide batch of ``EXISTS`` (a pipeline per node). Either way each
+key succeeds or fails on its own. A cluster's slot map, MOVED and ASK redirections and
+reconnects after a failover are glide's: this adapter never routes.
 
 Health: a probe thread asks every node (``PING`` by address; in a cluster also ``CLUSTER
 NODES`` / ``CLUSTER INFO``) every ``health_check_interval_s`` and ``report_status`` names the
@@ -255,6 +257,40 @@ class ValkeyL2Adapter(CompletionChannels, L2AdapterInterface):
             except RuntimeError as exc:  # the pool is shut down: close() is under way
                 batch.finish(i, None, exc)
 
+    def _pipelined(
+        self,
+        names: list[bytes],
+        command: str,
+        done: Callable[[list[Any], list[BaseException | None]], None],
+    ) -> None:
+        """Send ``command`` for every name in one non-atomic glide batch (a pipeline per node,
+        so one round trip per node); each key keeps its own reply or error. ``done`` as in
+        ``_fan_out``."""
+        n = len(names)
+        if n == 0:
+            done([], [])
+            return
+        g = self._glide
+
+        def job() -> None:
+            try:
+                batch = (g.ClusterBatch if self._cfg.cluster_mode else g.Batch)(is_atomic=False)
+                for name in names:
+                    getattr(batch, command)([name])
+                replies = self._client().exec(batch, raise_on_error=False)
+                if replies is None or len(replies) != n:
+                    raise ConnectionError(f"the pipeline of {n} {command} answered {replies!r}")
+            except BaseException as exc:  # every key must finish, whatever it raised
+                done([None] * n, [exc] * n)
+                return
+            errors = [r if isinstance(r, BaseException) else None for r in replies]
+            done([None if e else r for r, e in zip(replies, errors, strict=True)], errors)
+
+        try:
+            self._pool.submit(job)
+        except RuntimeError as exc:  # the pool is shut down: close() is under way
+            done([None] * n, [exc] * n)
+
     def _record(self, op: str, errors: list[BaseException | None]) -> str | None:
         """Feed the health tracker; returns the first error's text (None when all succeeded)."""
         failed = [e for e in errors if e is not None]
@@ -329,19 +365,16 @@ class ValkeyL2Adapter(CompletionChannels, L2AdapterInterface):
         task_id = self._ids.next()
         names = [self._name(k) for k in keys]
 
-        def one(client: Any, i: int) -> bool:
-            return int(client.exists([names[i]])) == 1
-
         def done(results: list[Any], errors: list[BaseException | None]) -> None:
             self._record("lookup", errors)
             found = Bitmap(len(keys))
-            for i, hit in enumerate(results):
-                if hit:
+            for i, count in enumerate(results):
+                if count is not None and int(count) == 1:
                     found.set(i)
             self._locks.lock(found.gather(keys))
             self._lookup_channel.complete(task_id, found)
 
-        self._fan_out(len(keys), one, done)
+        self._pipelined(names, "exists", done)
         return task_id
 
     def submit_unlock(self, keys: list[ObjectKey]) -> None:
