@@ -241,3 +241,61 @@ def test_server_prints_a_bad_valkey_config_in_one_line():
     assert proc.returncode != 0 and "Traceback" not in out, out
     lines = [ln for ln in out.splitlines() if ln.startswith("lmcache server: error: ")]
     assert len(lines) == 1 and "'10.0.0.2'" in lines[0] and "host:port" in lines[0], out
+
+
+def test_failover_to_a_replica_keeps_every_key(h, adapters, tmp_path):
+    """A master with a replica is SIGKILLed: the replica takes over its slots, glide follows
+    (MOVED / a refreshed slot map), and every key still loads byte-equal; new stores land."""
+    from testsupport.resp_engines import REDIS_CLI, REDIS_SERVER, RedisCluster
+
+    if REDIS_SERVER is None or REDIS_CLI is None:
+        pytest.skip("redis-server / redis-cli not installed (apt-get install redis-server)")
+    cluster = RedisCluster(tmp_path, replicas=1)
+    try:
+        cluster.start()
+        a = h.build(
+            "valkey",
+            startup_nodes=cluster.startup_nodes,
+            cluster_mode=True,
+            num_workers=2,
+            request_timeout=1.0,
+            health_check_interval_s=0.2,
+        )
+        adapters.append(a)
+        keys = [h.key(i, model="failover") for i in range(24)]
+        objs = [h.make_obj(512, seed=i) for i in range(24)]
+        assert h.store(a, keys, objs).is_successful()
+        victim = cluster.slot_owner(cluster.keyslot(object_key_to_string(keys[0]).encode()))
+        replica = cluster.replica_of(victim)
+        eventually(  # the replica has everything before its master dies
+            lambda: ask(replica, "DBSIZE") == ask(victim, "DBSIZE"), "replica in sync", 20
+        )
+        cluster.kill_node(victim)
+        eventually(
+            lambda: (
+                cluster.slot_owner(cluster.keyslot(object_key_to_string(keys[0]).encode()))
+                == replica
+            ),
+            "the replica took over",
+            30,
+            0.2,
+        )
+        cluster.wait_ok()
+
+        def all_loaded() -> bool:
+            outs = [h.empty_like(o) for o in objs]
+            if h.load(a, keys, outs, timeout=60).get_indices_list() != list(range(24)):
+                return False
+            pairs = zip(outs, objs, strict=True)
+            return all(bytes(x.byte_array) == bytes(o.byte_array) for x, o in pairs)
+
+        eventually(all_loaded, "every key loads after the failover", 30, 0.5)
+        more = [h.key(100 + i, model="failover") for i in range(8)]
+        eventually(
+            lambda: h.store(a, more, [h.make_obj(512) for _ in more], timeout=60).is_successful(),
+            "stores land after the failover",
+            30,
+            0.5,
+        )
+    finally:
+        cluster.kill()

@@ -219,9 +219,10 @@ class RedisServer:
 
 
 class RedisCluster:
-    """``masters`` cluster nodes (redis-server, or valkey-server with ``binary``) on free
-    loopback ports, slots spread over all of them by ``redis-cli --cluster create``. A node
-    can be killed and restarted on its port (it rejoins from its nodes.conf, empty)."""
+    """``masters`` cluster masters (redis-server, or valkey-server with ``binary``), each with
+    ``replicas`` replicas, on free loopback ports, slots spread over the masters by
+    ``redis-cli --cluster create``. A node can be killed (a replica then takes over its
+    slots) and restarted on its port (it rejoins from its nodes.conf, empty)."""
 
     def __init__(
         self,
@@ -229,12 +230,14 @@ class RedisCluster:
         masters: int = 3,
         binary: str | None = None,
         node_timeout_ms: int = 1000,
+        replicas: int = 0,
     ) -> None:
         self.dir = tmp_path
         self.binary = binary or REDIS_SERVER
         self.node_timeout_ms = node_timeout_ms
+        self.replicas = replicas
         self.ports: list[int] = []
-        while len(self.ports) < masters:
+        while len(self.ports) < masters * (1 + replicas):
             port = self._free_cluster_port()
             taken = {q for p in self.ports for q in (p, p + 10000)}
             if port not in taken and port + 10000 not in taken:
@@ -263,7 +266,7 @@ class RedisCluster:
             self._spawn(port)
         create = subprocess.run(
             [REDIS_CLI, "--cluster", "create", *(f"127.0.0.1:{p}" for p in self.ports)]
-            + ["--cluster-replicas", "0", "--cluster-yes"],
+            + ["--cluster-replicas", str(self.replicas), "--cluster-yes"],
             capture_output=True,
             text=True,
             timeout=60,
@@ -273,8 +276,8 @@ class RedisCluster:
         self.wait_ok()
 
     def wait_ok(self) -> None:
-        """Until every node says cluster_state:ok."""
-        for port in self.ports:
+        """Until every running node says cluster_state:ok."""
+        for port in self.alive():
             _wait(
                 lambda p=port: b"cluster_state:ok" in ask(p, "CLUSTER", "INFO"),
                 self.procs[port],
@@ -290,25 +293,36 @@ class RedisCluster:
         self._spawn(port)
         self.wait_ok()
 
+    def alive(self) -> list[int]:
+        return [p for p in self.ports if self.procs[p].poll() is None]
+
     def slot_owner(self, slot: int) -> int:
-        """The port of the master that serves ``slot``."""
-        for entry in ask(self.ports[0], "CLUSTER", "SLOTS"):
+        """The port of the master that serves ``slot`` (as a running node sees it)."""
+        for entry in ask(self.alive()[0], "CLUSTER", "SLOTS"):
             if entry[0] <= slot <= entry[1]:
                 return int(entry[2][1])
         raise LookupError(f"no node serves slot {slot}")
 
     def keyslot(self, name: bytes) -> int:
-        return int(ask(self.ports[0], "CLUSTER", "KEYSLOT", name))
+        return int(ask(self.alive()[0], "CLUSTER", "KEYSLOT", name))
+
+    def replica_of(self, master: int) -> int:
+        """The port of a replica of the master on ``master``."""
+        node_id = ask(master, "CLUSTER", "MYID").decode()
+        line = ask(master, "CLUSTER", "REPLICAS", node_id)[0].decode()
+        return int(line.split()[1].split("@")[0].rsplit(":", 1)[1])
 
     def get(self, name: bytes) -> bytes | None:
         """GET ``name`` from the node that owns it."""
         return ask(self.slot_owner(self.keyslot(name)), "GET", name)
 
     def dbsize(self) -> int:
-        return sum(int(ask(p, "DBSIZE")) for p in self.ports)
+        """Keys on all masters."""
+        return sum(int(ask(p, "DBSIZE")) for p in self.alive() if self._is_master(p))
 
-    def keys(self) -> list[bytes]:
-        return [k for p in self.ports for k in ask(p, "KEYS", "*")]
+    @staticmethod
+    def _is_master(port: int) -> bool:
+        return b"role:master" in ask(port, "INFO", "replication")
 
     @staticmethod
     def _free_cluster_port() -> int:
