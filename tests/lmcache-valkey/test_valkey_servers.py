@@ -38,26 +38,13 @@ def pair(lmcache_server_module, cluster):
         srv.stop()
 
 
-def _key(engine, rid: str, first: int, end: int = NUM_TOKENS, worker_id=0):
-    from lmcache.v1.multiprocess import protocol as P
-
-    return P.IPCCacheServerKey(
-        model_name=engine.model,
-        world_size=1,
-        worker_id=worker_id,
-        token_ids=list(range(first, first + NUM_TOKENS)),
-        start=0,
-        end=end,
-        request_id=rid,
-        num_kv_readers=1,
-    )
-
-
 def _store(h, srv, model: str, seed: int) -> None:
     """Store prompt ``seed`` (its own tokens, its own KV bytes) through ``srv``."""
     eng = h.Engine(srv.rpc_url, model, h.kv_cache(seed, zeros=False))
     try:
-        assert eng.ctx.submit_store(_key(eng, f"st-{seed}", 1000 * seed), h.BLOCK_IDS).result(60)
+        assert eng.ctx.submit_store(
+            eng.key(f"st-{seed}", first_token=1000 * seed), h.BLOCK_IDS
+        ).result(60)
     finally:
         eng.close()
 
@@ -69,11 +56,11 @@ def _fetch(h, srv, model: str, seed: int, tag: str) -> int:
     eng = h.Engine(srv.rpc_url, model, kv)
     rid = f"get-{seed}-{tag}"
     try:
-        eng.client.call("lookup", _key(eng, rid, 1000 * seed, worker_id=None), 1)
+        eng.client.call("lookup", eng.key(rid, worker_id=None, first_token=1000 * seed), 1)
         hits = int(eng.client.call("wait_prefetch_status", rid, 30.0))
         if hits:
             n = hits * BLOCKS // CHUNKS
-            key = _key(eng, rid, 1000 * seed, end=hits * NUM_TOKENS // CHUNKS)
+            key = eng.key(rid, first_token=1000 * seed, end=hits * NUM_TOKENS // CHUNKS)
             assert eng.ctx.submit_retrieve(key, h.BLOCK_IDS[:n]).result(60)
     finally:
         eng.close()
