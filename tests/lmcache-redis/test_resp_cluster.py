@@ -58,7 +58,8 @@ def _assert_cluster_message(text: str, port: int) -> None:
     assert "Redis Cluster node" in text and "cluster_enabled:1" in text
     assert "one server" in text and "another node" in text
     assert "standalone Redis/Valkey server" in text
-    assert "valkey type" in text and "not provided by this release" in text
+    assert "valkey type" in text and "pip install lmcache-valkey" in text
+    assert '"cluster_mode": true' in text
 
 
 def test_server_refuses_a_cluster_node_in_one_line(redis_cluster):

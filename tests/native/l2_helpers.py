@@ -159,8 +159,15 @@ class _Engine:
         )
         self.ctx.register(model, 1)
 
-    def key(self, request_id: str, worker_id: int | None = 0, first_token: int = 10) -> Any:
-        """The key of a NUM_TOKENS prompt (``first_token`` picks which one)."""
+    def key(
+        self,
+        request_id: str,
+        worker_id: int | None = 0,
+        first_token: int = 10,
+        end: int = NUM_TOKENS,
+    ) -> Any:
+        """The key of a NUM_TOKENS prompt (``first_token`` picks which one), its first ``end``
+        tokens."""
         from lmcache.v1.multiprocess import protocol as P
 
         return P.IPCCacheServerKey(
@@ -169,7 +176,7 @@ class _Engine:
             worker_id=worker_id,
             token_ids=list(range(first_token, first_token + NUM_TOKENS)),
             start=0,
-            end=NUM_TOKENS,
+            end=end,
             request_id=request_id,
             num_kv_readers=1,
         )

@@ -107,6 +107,20 @@ def test_l2_store_result_semantics():
         L2StoreResult(True, -1)
 
 
+def test_l2_store_result_says_which_keys_landed():
+    from lmcache.lmcache_native import Bitmap
+
+    keys = ["a", "b", "c"]
+    assert L2StoreResult(True, 5).landed_keys(keys) == keys
+    assert L2StoreResult(False, 0).landed_keys(keys) == []
+    landed = Bitmap(3)
+    landed.set(2)
+    partly = L2StoreResult(False, 0, error="b failed", landed=landed)
+    assert partly.landed_keys(keys) == ["c"] and not partly.is_successful()
+    with pytest.raises(ValueError, match=r"^landed bitmap has 3 bits for 2 keys"):
+        partly.landed_keys(keys[:2])
+
+
 @pytest.mark.parametrize(
     ("raw", "ok", "nbytes"),
     [(True, True, 8), (False, False, 0), (None, False, 0), (5, True, 5), (-3, False, 0)],

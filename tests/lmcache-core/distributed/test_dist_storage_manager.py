@@ -395,6 +395,40 @@ def test_skip_l1_buffer_only_mode_deletes_after_store():
         sm.close()
 
 
+class HalfLandsAdapter(ScriptedAdapter):
+    """Stores only the keys of odd ``i``; a task with an even one fails and says which landed."""
+
+    def submit_store_task(self, keys, objects):
+        tid = self._tid()
+        landed = Bitmap(len(keys))
+        with self.mu:
+            for n, (k, o) in enumerate(zip(keys, objects, strict=True)):
+                if k.chunk_hash[-1] % 2:
+                    self.data[k] = bytes(o.byte_array)
+                    landed.set(n)
+            ok = landed.popcount() == len(keys)
+            self.store_done[tid] = L2StoreResult(ok, 0, error="even keys fail", landed=landed)
+        self.n[0].notify()
+        return tid
+
+
+def test_partly_failed_store_counts_its_failed_keys_and_frees_only_landed_ones():
+    a = HalfLandsAdapter()
+    sm = make_sm([scripted(a)], l2_store_policy="skip_l1", policy="noop")
+    try:
+        keys = [key(i) for i in range(1, 7)]
+        write(sm, keys)
+        eventually(lambda: sm.report_status()["store_controller"]["in_flight_tasks"] == 0)
+        eventually(lambda: len(a.data) == 3)
+        st = sm.report_status()["store_controller"]
+        assert st["failed_keys"] == 3 and st["completed_keys"] == 3 and st["failed_tasks"] >= 1
+        l1 = sm.get_l1_manager()
+        # skip_l1 drops what L2 holds; the keys that did not land stay in L1
+        eventually(lambda: sorted(l1.keys(), key=keys.index) == [key(2), key(4), key(6)])
+    finally:
+        sm.close()
+
+
 class OnlyFirstAdapter(StorePolicy):
     def select_store_targets(self, keys, adapter_descriptors):
         return {adapter_descriptors[0].index: keys} if adapter_descriptors else {}

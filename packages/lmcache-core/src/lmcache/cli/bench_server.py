@@ -19,6 +19,14 @@ The bytes the cold request stored and those the warm one retrieved are compared 
 ``sweep`` (``--sweep-tokens``: the whole run once per request size). ``--fresh-prompts``
 sends random prompts instead, so a warm server does not turn cold stores into hits.
 Exit status 1 when a checksum or a transfer failed.
+
+A clean checksum says nothing about L2: the chunks a server could not write to L2 stay in L1
+and are served from there. So the run also asks the server's ``/status`` (``--url``) for its
+L2 store counts, before and after (waiting, up to ``L2_SETTLE_S``, for its write-behind to
+finish), and ``results`` gives ``l2_store_submitted_chunks``, ``l2_store_failed_chunks`` and
+``l2_store_failed_tasks`` of the run, and ``l2_errors`` (the unhealthy adapters' last errors).
+Failed L2 stores also make the run unverified and the exit status 1. Without ``/status``
+(an HTTP API elsewhere, 0.5.6's server) those keys are left out and a note says why.
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ from typing import Any
 
 from lmcache.cli.bench_baselines import measure_baselines
 from lmcache.cli.errors import CLIError
+from lmcache.cli.http_client import base_url, call
 from lmcache.cli.report import Report, add_output_args
 
 HELLO_TOKEN = 9906  # 0.5.6's filler token: its prompts and ours hash to the same keys
@@ -94,7 +103,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--interval", type=float, default=0.5, help="seconds between requests (default 0.5)"
     )
     p.add_argument(
-        "--url", default="http://localhost:8080", help="server HTTP URL (unused: we checksum here)"
+        "--url",
+        default="http://localhost:8080",
+        help="server HTTP URL: its /status gives the run's L2 store failures "
+        "(default http://localhost:8080)",
     )
     prof = p.add_argument_group("server profiling (0.5.6; not provided)")
     prof.add_argument("--flamegraph", choices=("on", "off"), default="off")
@@ -530,6 +542,54 @@ def _sections(res: SizeResult) -> dict[str, dict[str, Any]]:
     return out
 
 
+L2_SETTLE_S = 60.0  # how long the report waits for the server's L2 write-behind to finish
+_L2_COUNTS = ("submitted_keys", "failed_keys", "failed_tasks", "in_flight_tasks", "pending_keys")
+
+
+def l2_store_counts(url: str) -> tuple[dict[str, int] | None, list[str], str]:
+    """The server's L2 store counters summed over its store controllers, the last errors of
+    its unhealthy L2 adapters, and why there are no counters (None, when /status lacks them)."""
+    try:
+        status = call("GET", f"{base_url(url)}/status", timeout=5.0)
+    except CLIError as exc:
+        return None, [], str(exc)
+    sm = status.get("storage_manager") or {} if isinstance(status, dict) else {}
+    rows = [r for r in (sm.get("store_controllers") or {}).values() if isinstance(r, dict)]
+    errors = [
+        f"{a.get('type', '?')}: {(a.get('health') or {}).get('last_error') or 'unhealthy'}"
+        for a in sm.get("l2_adapters") or []
+        if isinstance(a, dict) and not a.get("is_healthy", True)
+    ]
+    if not rows or not all("failed_keys" in r for r in rows):
+        return None, errors, f"{base_url(url)}/status has no L2 store counts"
+    return {k: sum(int(r.get(k, 0)) for r in rows) for k in _L2_COUNTS}, errors, ""
+
+
+def l2_store_report(url: str, before: dict[str, int] | None) -> tuple[dict[str, Any], str]:
+    """The run's L2 store results (counts since ``before``), once the server's write-behind is
+    done; an empty dict and the reason when the server has no such counts."""
+    if before is None:
+        return {}, "no L2 store counts before the run"
+    deadline = time.monotonic() + L2_SETTLE_S
+    while True:
+        after, errors, why = l2_store_counts(url)
+        if after is None:
+            return {}, why
+        if after["in_flight_tasks"] + after["pending_keys"] == 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    out: dict[str, Any] = {
+        "l2_store_submitted_chunks": after["submitted_keys"] - before["submitted_keys"],
+        "l2_store_failed_chunks": after["failed_keys"] - before["failed_keys"],
+        "l2_store_failed_tasks": after["failed_tasks"] - before["failed_tasks"],
+    }
+    if after["in_flight_tasks"] + after["pending_keys"]:
+        out["l2_store_unfinished_chunks"] = after["pending_keys"]
+    if errors:
+        out["l2_errors"] = errors
+    return out, ""
+
+
 _LABELS = {
     "total_requests": "Total requests",
     "checksum_ok": "Checksum OK",
@@ -538,6 +598,11 @@ _LABELS = {
     "checksum_unavailable": "Checksum not available",
     "transfer_failures": "Failed transfers",
     "verified": "Verified",
+    "l2_store_submitted_chunks": "L2 store: chunks submitted",
+    "l2_store_failed_chunks": "L2 store: chunks failed",
+    "l2_store_failed_tasks": "L2 store: tasks failed",
+    "l2_store_unfinished_chunks": "L2 store: chunks unfinished",
+    "l2_errors": "L2 errors",
 }
 
 
@@ -562,6 +627,7 @@ def run(args: argparse.Namespace) -> int:
         if not quiet:
             print(line, file=sys.stderr, flush=True)
 
+    l2_before, _errors, l2_why = l2_store_counts(args.url)
     client = MPClient(args.rpc_url, default_timeout=60)
     bench = Bench(args, client, 0)
     per_size: list[SizeResult] = []
@@ -614,8 +680,21 @@ def run(args: argparse.Namespace) -> int:
     ):
         cfg.add(key, label, value)
     sections = _sections(first)
+    l2, why = l2_store_report(args.url, l2_before)
+    l2_failed = int(l2.get("l2_store_failed_chunks", 0)) > 0
+    if l2_failed:
+        sections["results"]["verified"] = False
+        print(
+            f"L2 store failed for {l2['l2_store_failed_chunks']} of "
+            f"{l2['l2_store_submitted_chunks']} chunks (they are served from L1 only): "
+            + "; ".join(l2.get("l2_errors") or ["see the server's /status"]),
+            file=sys.stderr,
+            flush=True,
+        )
+    elif not l2:
+        log(f"L2 store results not available ({l2_why or why})")
     results = report.section("results", "Results")
-    for key, value in sections["results"].items():
+    for key, value in {**sections["results"], **l2}.items():
         results.add(key, _LABELS[key], value)
     for op, title in (*OPS, ("cached_lookup", "Cached Lookup (ms)")):
         if op in sections:
@@ -633,7 +712,7 @@ def run(args: argparse.Namespace) -> int:
         for name, stats in baselines.items():
             sec.add(name, name, stats)
     report.emit(args)
-    failed = any(r.checksum_fail or r.transfer_failures for r in per_size)
+    failed = any(r.checksum_fail or r.transfer_failures for r in per_size) or l2_failed
     return 1 if failed else 0
 
 

@@ -50,6 +50,7 @@ L2_TYPE_WHEELS: dict[str, str] = {
     "resp": "lmcache-redis",
     "redis": "lmcache-redis",
     "s3": "lmcache-s3",
+    "valkey": "lmcache-valkey",
     "nixl_store": "lmcache-nixl",
     "nixl_native": "lmcache-nixl",
     "raw_block": "lmcache-raw-block",
@@ -69,7 +70,6 @@ LMCACHE_056_ONLY_L2_TYPES: frozenset[str] = frozenset(
         "nixl_store_dynamic",
         "p2p",
         "sagemaker-hyperpod",
-        "valkey",
     }
 )
 

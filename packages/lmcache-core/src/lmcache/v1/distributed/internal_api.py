@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from lmcache.lmcache_native import Bitmap
     from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey
     from lmcache.v1.memory_management import MemoryObj
 
@@ -33,19 +34,42 @@ class L2StoreResult(int):
 
     A successful zero-byte store is the int 0, which is falsy: use ``is_successful()``.
     A failure may say why in ``error`` (logged by the store controller).
+
+    A failed task whose keys fail one by one says which keys did land in ``landed``: a
+    ``Bitmap`` over the task's keys, bit ``i`` set when ``keys[i]`` is stored (written now
+    or found there). Without it a failure means no key landed and a success that all did
+    (``landed_keys``).
     """
 
     error: str | None
+    landed: Bitmap | None
 
     def __new__(
-        cls, success: bool = True, bytes_transferred: int = 0, error: str | None = None
+        cls,
+        success: bool = True,
+        bytes_transferred: int = 0,
+        error: str | None = None,
+        landed: Bitmap | None = None,
     ) -> L2StoreResult:
         bytes_transferred = int(bytes_transferred)
         if bytes_transferred < 0:
             raise ValueError(f"bytes_transferred must be >= 0, got {bytes_transferred}")
         self = super().__new__(cls, bytes_transferred if success else -1)
         self.error = None if success else error
+        self.landed = landed
         return self
+
+    def landed_keys(self, keys: Sequence[ObjectKey]) -> list[ObjectKey]:
+        """The keys of the task (in order) that are stored after it: those ``landed`` marks,
+        else all of them on success and none on failure."""
+        if self.landed is None:
+            return list(keys) if self.is_successful() else []
+        if self.landed.size() != len(keys):
+            raise ValueError(
+                f"landed bitmap has {self.landed.size()} bits for {len(keys)} keys; "
+                "give one bit per key of the task"
+            )
+        return self.landed.gather(list(keys))
 
     def is_successful(self) -> bool:
         """Whether the store succeeded (value >= 0). Use this, never truthiness."""

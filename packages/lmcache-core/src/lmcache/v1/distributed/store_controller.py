@@ -75,6 +75,7 @@ class StoreController(L1ManagerListener):
             "submitted_keys": 0,
             "completed_tasks": 0,
             "failed_tasks": 0,
+            "failed_keys": 0,
             "stored_bytes": 0,
             "skipped_keys": 0,
             "completed_keys": 0,
@@ -186,16 +187,29 @@ class StoreController(L1ManagerListener):
             with self._mu:
                 self._delete_after.update(deletions)
         else:
+            try:
+                landed = result.landed_keys(task.keys)
+            except ValueError as exc:  # a plugin's malformed bitmap: trust none of it
+                logger.warning("L2 adapter #%d (%s): %s", task.adapter_index, name, exc)
+                landed = []
+            failed = len(task.keys) - len(landed)
             self.stats["failed_tasks"] += 1
+            self.stats["failed_keys"] += failed
+            self.stats["completed_keys"] += len(landed)
             _failure_log.warning(
                 ("store", task.adapter_index),
-                "L2 store task %d on adapter #%d (%s) failed for %d keys (not retried): %s",
+                "L2 store task %d on adapter #%d (%s) failed for %d of %d keys (not retried): %s",
                 task.task_id,
                 task.adapter_index,
                 name,
+                failed,
                 len(task.keys),
                 getattr(result, "error", None) or failure_cause(slot.adapter if slot else None),
             )
+            if landed:
+                deletions = self.policy.select_l1_deletions(landed)
+                with self._mu:
+                    self._delete_after.update(deletions)
         self._run_deferred_deletions(task.keys)
 
     def _run_deferred_deletions(self, keys: list[ObjectKey]) -> None:
@@ -307,6 +321,7 @@ class StoreController(L1ManagerListener):
                     exc,
                 )
                 self.stats["failed_tasks"] += 1
+                self.stats["failed_keys"] += len(ok_keys)
                 self._release(ok_keys, objs)
                 continue
             submitted += 1

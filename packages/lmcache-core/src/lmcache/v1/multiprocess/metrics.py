@@ -103,6 +103,8 @@ _COUNTERS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
     "lmcache_mp_timeouts": ("timed out waits", ("exception_type",), ()),
     # ours
     "lmcache_mp_request_errors": ("failed requests", ("op", "code"), ()),
+    "lmcache_mp_l2_store_failed_requests": ("L2 store tasks that failed (some key)", (), ()),
+    "lmcache_mp_l2_store_failed_objects_chunks": ("chunks an L2 store did not store", (), ()),
     "lmcache_mp_rejected_payloads": ("rejected commit payloads", ("reason",), ()),
     "lmcache_mp_reaped_instances": ("instances removed by the reaper", ("mode",), ()),
     "lmcache_mp_sessions_evicted": ("sessions ended because the table was full", (), ()),

@@ -194,6 +194,8 @@ class ServerRuntime:
             ("lmcache_mp_l2_store_submitted_requests", {}, total(stores, "submitted_tasks")),
             ("lmcache_mp_l2_store_submitted_objects_chunks", {}, total(stores, "submitted_keys")),
             ("lmcache_mp_l2_store_completed_objects_chunks", {}, total(stores, "completed_keys")),
+            ("lmcache_mp_l2_store_failed_requests", {}, total(stores, "failed_tasks")),
+            ("lmcache_mp_l2_store_failed_objects_chunks", {}, total(stores, "failed_keys")),
             ("lmcache_mp_l2_prefetch_lookup_requests", {}, int(prefetch.get("lookup_requests", 0))),
             (
                 "lmcache_mp_l2_prefetch_lookup_objects_chunks",

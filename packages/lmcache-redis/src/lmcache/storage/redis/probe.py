@@ -119,9 +119,9 @@ def cluster_refusal(endpoint: str, db: int) -> str:
     if db != 0:
         text += f"Also db {db} cannot be used: SELECT is not allowed in cluster mode. "
     return text + (
-        "Fix: point resp at a standalone Redis/Valkey server (cluster mode off). LMCache "
-        "0.5.6's valkey type (cluster support) is not provided by this release yet "
-        "(docs/compat.md, L2 adapter types)."
+        "Fix: point resp at a standalone Redis/Valkey server (cluster mode off), or use the "
+        'valkey type for a cluster (pip install lmcache-valkey; {"type": "valkey", '
+        '"startup_nodes": "host:port,...", "cluster_mode": true}).'
     )
 
 

@@ -191,7 +191,9 @@ class L2AdapterInterface(abc.ABC):
         A key that already exists is skipped and contributes 0 bytes (the first write
         wins; stored objects are immutable). Call ``_notify_keys_stored`` for the keys
         actually written. Signal the store fd when the task is done; the result is
-        ``L2StoreResult(True, bytes_written)`` or ``L2StoreResult(False, 0, error=...)``.
+        ``L2StoreResult(True, bytes_written)`` or ``L2StoreResult(False, 0, error=...)``; when
+        only some keys failed, add ``landed=`` a ``Bitmap`` of the keys that are stored, so the
+        server counts only the others as failed.
         Raising here fails the task at once: the server releases the pins, counts the
         task as failed and never retries it (the keys stay in L1 only).
         Task ids need only be unique within this adapter.
