@@ -151,7 +151,7 @@ class MooncakeCluster:
         with urllib.request.urlopen(url, timeout=5) as r:
             return r.read().decode()
 
-    def keys(self) -> list[str]:
+    def object_names(self) -> list[str]:
         return [k for k in self.http("/get_all_keys").splitlines() if k.strip()]
 
     def segments(self) -> list[str]:

@@ -57,7 +57,7 @@ def test_round_trip_on_registered_l1_names_objects_by_the_l2_name(
     objs = [arena_obj(arena, 3 * PAGE, seed=i) for i in range(3)]
     res = h.store(a, keys, objs)
     assert res.is_successful() and res.bytes_transferred() == 9 * PAGE
-    assert {object_key_to_string(k) for k in keys} <= set(mooncake.keys())
+    assert {object_key_to_string(k) for k in keys} <= set(mooncake.object_names())
 
     missing = h.key(99, model="mc-rt")
     bm = h.lookup(a, [*keys, missing])
@@ -107,7 +107,7 @@ def test_delete_removes_and_a_leased_object_is_retried_later(mooncake, node, h, 
     assert h.load(a, [k_read], [h.empty_like(objs[1])]).test(0)  # a read grants a lease
 
     a.delete([k_plain, k_read])
-    names = set(mooncake.keys())
+    names = set(mooncake.object_names())
     assert object_key_to_string(k_plain) not in names
     assert object_key_to_string(k_read) in names  # leased: left in place, not reported
     assert rec.deleted == [k_plain]
@@ -117,7 +117,7 @@ def test_delete_removes_and_a_leased_object_is_retried_later(mooncake, node, h, 
         return k_read in rec.deleted
 
     assert h.wait_until(deleted_later, 30), "the leased object was never deleted"
-    assert object_key_to_string(k_read) not in set(mooncake.keys())
+    assert object_key_to_string(k_read) not in set(mooncake.object_names())
 
 
 def test_no_space_fails_the_store_and_says_why(fresh_mooncake, h, adapters):
@@ -126,7 +126,7 @@ def test_no_space_fails_the_store_and_says_why(fresh_mooncake, h, adapters):
     res = h.store(a, [k], [h.make_obj(4096, seed=1)])
     assert not res.is_successful()
     assert "1 of 1 keys failed" in res.error and "code -200 (no space" in res.error
-    assert fresh_mooncake.keys() == []
+    assert fresh_mooncake.object_names() == []
     assert not h.lookup(a, [k]).test(0)
     st = a.report_status()
     assert st["is_healthy"] is False and "no space" in st["last_error"]
@@ -136,7 +136,7 @@ def test_no_space_fails_the_store_and_says_why(fresh_mooncake, h, adapters):
     keys = [h.key(100 + i, model="mc-full") for i in range(40)]
     res = h.store(a, keys, big)
     assert not res.is_successful() and "of 40 keys failed" in res.error, res.error
-    landed = set(fresh_mooncake.keys()) & {object_key_to_string(k) for k in keys}
+    landed = set(fresh_mooncake.object_names()) & {object_key_to_string(k) for k in keys}
     assert 0 < len(landed) < 40
     # Whatever landed reads back byte-equal; whatever did not is a miss.
     dst = [h.empty_like(o) for o in big]
