@@ -181,7 +181,7 @@ def test_install_hints_name_only_our_wheels():
         registered.update(dict.fromkeys(names, hooks.parents[4].name))
     assert registered == L2_TYPE_WHEELS
     assert not set(L2_TYPE_WHEELS) & LMCACHE_056_ONLY_L2_TYPES
-    for name in ("x", "raw_block", "valkey", "mooncake_store", "nixl_store_dynamic"):
+    for name in ("x", "raw_block", "valkey", "nixl_store_dynamic"):
         message = str(UnknownL2AdapterTypeError(name, ["mock"], where="--l2-adapter #1"))
         assert "pip install" not in message, message
 

@@ -49,6 +49,7 @@ L2_TYPE_WHEELS: dict[str, str] = {
     "s3": "lmcache-s3",
     "nixl_store": "lmcache-nixl",
     "nixl_native": "lmcache-nixl",
+    "mooncake_store": "lmcache-mooncake",
 }
 
 # Types LMCache 0.5.6 registers that no wheel of this release provides (docs/compat.md,
@@ -61,7 +62,6 @@ LMCACHE_056_ONLY_L2_TYPES: frozenset[str] = frozenset(
         "dax",
         "hf3fs",
         "hfbucket",
-        "mooncake_store",
         "nixl_store_dynamic",
         "p2p",
         "raw_block",
