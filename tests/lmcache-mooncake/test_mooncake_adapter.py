@@ -174,3 +174,21 @@ def test_a_missing_mooncake_names_the_pip_and_apt_commands(monkeypatch):
     msg = str(e.value)
     assert "apt-get install -y libibverbs1" in msg
     assert "pip install mooncake-transfer-engine-non-cuda==0.3.13.post1" in msg
+
+
+def test_per_op_workers_give_a_lane_its_own_threads(mooncake, node, h, adapters):
+    import threading
+
+    before = {t.name for t in threading.enumerate()}
+    a = make(mooncake, adapters, num_workers=3, per_op_workers={"lookup": 2})
+    names = {t.name for t in threading.enumerate()} - before
+    assert {n for n in names if n.startswith("lmc-mooncake")} == {
+        "lmc-mooncake-lookup-0",
+        "lmc-mooncake-lookup-1",
+        "lmc-mooncake-0",
+        "lmc-mooncake-1",
+        "lmc-mooncake-2",
+    }
+    k = h.key(1, model="mc-lanes")
+    assert h.store(a, [k], [h.make_obj(4096, seed=1)]).is_successful()
+    assert h.lookup(a, [k]).test(0)
