@@ -35,6 +35,8 @@ MASTER = _tool("mooncake_master")
 NODE = _tool("mooncake_client")
 #: Seconds the master keeps a silent client's segment (its objects) before dropping it.
 CLIENT_TTL_S = 2
+#: Milliseconds a read or write protects an object from removal (Mooncake's default: 5 s).
+LEASE_TTL_MS = 1000
 
 
 def _mooncake_missing() -> str:
@@ -128,6 +130,7 @@ class MooncakeCluster:
                 "--metrics_host=127.0.0.1",
                 f"--metrics_port={self.metrics_port}",
                 f"--client_ttl={CLIENT_TTL_S}",
+                f"--default_kv_lease_ttl={LEASE_TTL_MS}",
             ],
             "mooncake-master",
         )
@@ -218,26 +221,25 @@ class MooncakeCluster:
         self.master.cleanup()
 
 
-@pytest.fixture(scope="module")
-def mooncake() -> Any:
-    """A running master (module scope); tests add their own nodes."""
+def _running_cluster() -> Any:
     if MISSING:
         pytest.skip(MISSING)
     cluster = MooncakeCluster()
     cluster.start_master()
     yield cluster
     cluster.cleanup()
+
+
+@pytest.fixture(scope="module")
+def mooncake() -> Any:
+    """A running master (module scope); tests add their own nodes."""
+    yield from _running_cluster()
 
 
 @pytest.fixture
 def fresh_mooncake() -> Any:
     """A master of the test's own (for tests that kill it)."""
-    if MISSING:
-        pytest.skip(MISSING)
-    cluster = MooncakeCluster()
-    cluster.start_master()
-    yield cluster
-    cluster.cleanup()
+    yield from _running_cluster()
 
 
 @pytest.fixture
