@@ -35,7 +35,7 @@ MASTER = _tool("mooncake_master")
 NODE = _tool("mooncake_client")
 #: Seconds the master keeps a silent client's segment (its objects) before dropping it.
 CLIENT_TTL_S = 2
-#: Milliseconds a read or write protects an object from removal (Mooncake's default: 5 s).
+#: Milliseconds a read or write protects an object from removal (Mooncake's default: 10 s).
 LEASE_TTL_MS = 1000
 
 
