@@ -132,12 +132,20 @@ def test_no_space_fails_the_store_and_says_why(fresh_mooncake, h, adapters):
     assert st["is_healthy"] is False and "no space" in st["last_error"]
 
     fresh_mooncake.start_node("16MB")
+    rec = h.Recorder()
+    a.register_listener(rec)
     big = [h.make_obj(1 << 20, seed=i) for i in range(40)]  # 40 MiB into a 16 MiB pool
     keys = [h.key(100 + i, model="mc-full") for i in range(40)]
     res = h.store(a, keys, big)
     assert not res.is_successful() and "of 40 keys failed" in res.error, res.error
     landed = set(fresh_mooncake.object_names()) & {object_key_to_string(k) for k in keys}
     assert 0 < len(landed) < 40
+    # The keys that landed are charged (usage, eviction policy), the failed ones not. (The
+    # master may already have evicted some early ones to fit later ones: Mooncake evicts on
+    # its own, unseen by the adapter.)
+    charged = {object_key_to_string(k) for k, _ in rec.stored}
+    assert landed <= charged and len(charged) < 40
+    assert a.get_usage().total_bytes_used == len(charged) << 20
     # Whatever landed reads back byte-equal; whatever did not is a miss.
     dst = [h.empty_like(o) for o in big]
     bm = h.load(a, keys, dst)

@@ -216,9 +216,12 @@ class NativeConnectorL2Adapter(CompletionChannels, L2AdapterInterface):
             return
         if p.op == "store":
             new_keys, new_sizes, old_keys = [], [], []
+            landed = self._bitmap(p.n, ok, bools, default_all=True).gather(
+                list(zip(p.keys, p.sizes, strict=False))
+            )
             with self._lock:
                 self._storing -= collections.Counter(p.keys)  # drops keys that reach 0
-                for k, s in zip(p.keys, p.sizes, strict=False) if ok else ():
+                for k, s in landed:
                     if k in self._known:
                         old_keys.append(k)
                     else:
