@@ -77,3 +77,12 @@ def test_defaults_four_shared_workers_and_p2p_handshake():
 def test_bad_values_are_named(extra, message):
     with pytest.raises(ValueError, match=message):
         MooncakeStoreL2AdapterConfig.from_dict({**BASE, **extra})
+
+
+def test_a_key_mooncake_does_not_document_is_forwarded_with_a_warning(caplog):
+    import logging
+
+    with caplog.at_level(logging.WARNING):
+        cfg = MooncakeStoreL2AdapterConfig.from_dict({**BASE, "global_segment_sze": "1GB"})
+    assert cfg.setup_config["global_segment_sze"] == "1GB"
+    assert "did you mean 'global_segment_size'?" in caplog.text

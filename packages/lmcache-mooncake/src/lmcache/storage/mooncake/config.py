@@ -9,10 +9,14 @@ LMCache's; every other key is forwarded, as a string, to Mooncake's client setup
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass, field
 from typing import Any
 
+from lmcache.v1.distributed.l2_adapters.api import init_logger
 from lmcache.v1.distributed.l2_adapters.config import GENERIC_FIELDS, L2AdapterConfigBase
+
+logger = init_logger(__name__)
 
 #: Keys LMCache consumes itself (0.5.6's list); never sent to Mooncake.
 LMCACHE_ONLY_KEYS = frozenset({"type", "num_workers", "eviction", "per_op_workers"})
@@ -20,8 +24,8 @@ LMCACHE_ONLY_KEYS = frozenset({"type", "num_workers", "eviction", "per_op_worker
 #: Worker lanes ``per_op_workers`` may name (0.5.6's lane keys).
 LANES = ("lookup", "retrieve", "store", "delete")
 
-#: The setup keys Mooncake's client documents (for the unknown-key warning only: any key is
-#: forwarded).
+#: The setup keys Mooncake's client documents (for the warning about other keys only: every
+#: key is forwarded).
 MOONCAKE_SETUP_KEYS = frozenset(
     {
         "local_hostname",
@@ -61,8 +65,6 @@ class MooncakeStoreL2AdapterConfig(L2AdapterConfigBase):
     num_workers: int = 4
     per_op_workers: dict[str, int] = field(default_factory=dict)
 
-    known_fields = LMCACHE_ONLY_KEYS | MOONCAKE_SETUP_KEYS
-
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> MooncakeStoreL2AdapterConfig:
         per_op = cls._parse_per_op_workers_from_dict(d)
@@ -78,6 +80,14 @@ class MooncakeStoreL2AdapterConfig(L2AdapterConfigBase):
             for k, v in d.items()
             if k not in LMCACHE_ONLY_KEYS and k not in GENERIC_FIELDS and v is not None
         }
+        for k in sorted(set(setup) - MOONCAKE_SETUP_KEYS):
+            close = difflib.get_close_matches(k, sorted(MOONCAKE_SETUP_KEYS | LMCACHE_ONLY_KEYS), 1)
+            logger.warning(
+                "mooncake_store: %r is not a setup key Mooncake's client documents; forwarded "
+                "anyway%s",
+                k,
+                f" (did you mean {close[0]!r}?)" if close else "",
+            )
         setup.setdefault("metadata_server", "P2PHANDSHAKE")
         for required in ("local_hostname", "master_server_addr"):
             if not setup.get(required):
