@@ -30,6 +30,9 @@ TORCH = "torch==2.13.0"
 # lmcache-nixl declares nixl>=1.5.1,<2; sessions test against this release (its POSIX and OBJ
 # plugins load on CPU).
 NIXL = "nixl==1.5.1"
+# lmcache-mooncake leaves Mooncake's client to the user (a CPU and a CUDA build exist); the tests
+# run its CPU build, which needs libibverbs1 from apt (.ci/run installs it).
+MOONCAKE = "mooncake-transfer-engine-non-cuda==0.3.13.post1"
 CORE = PACKAGES / "lmcache-core"
 # The distribution named "lmcache": no code, only the default set of our wheels (docs/install.md).
 META = PACKAGES / "lmcache"
@@ -112,6 +115,7 @@ def tests(session: nox.Session) -> None:
         "numpy",
         "pybind11>=2.12",
         "scikit-build-core>=0.10",
+        MOONCAKE,
     )
     args = session.posargs or ["tests"]
     session.run("python", "-m", "pytest", *args, env={"LMCACHE_TRACK_USAGE": "false"})

@@ -121,7 +121,7 @@ def find_face_violations(src: Path, kind: str, own: str) -> list[Violation]:
 # ---- our wheels and the examples ------------------------------------------------------------
 
 DEVICE_WHEELS = ["cuda", "rocm", "xpu", "musa", "mlu", "neuron"]
-STORAGE_WHEELS = ["fs", "redis", "s3", "nixl", "valkey"]
+STORAGE_WHEELS = ["fs", "redis", "s3", "nixl", "valkey", "mooncake"]
 PLUGINS = [
     *[(PACKAGES / f"lmcache-{n}/src", "device", f"lmcache.devices.{n}") for n in DEVICE_WHEELS],
     *[(PACKAGES / f"lmcache-{n}/src", "storage", f"lmcache.storage.{n}") for n in STORAGE_WHEELS],

@@ -183,7 +183,7 @@ def test_install_hints_name_only_our_wheels():
         registered.update(dict.fromkeys(names, hooks.parents[4].name))
     assert registered == L2_TYPE_WHEELS
     assert not set(L2_TYPE_WHEELS) & LMCACHE_056_ONLY_L2_TYPES
-    for name in ("x", "dax", "mooncake_store", "nixl_store_dynamic"):
+    for name in ("x", "dax", "nixl_store_dynamic"):
         message = str(UnknownL2AdapterTypeError(name, ["mock"], where="--l2-adapter #1"))
         assert "pip install" not in message, message
 

@@ -430,3 +430,35 @@ def test_lock_ttl_expiry_lets_delete_proceed(monkeypatch):
         assert c.data == {}
     finally:
         a.close()
+
+
+class PerKeySetConnector(FakeConnector):
+    """A connector whose sets fail key by key and say which keys landed (mooncake_store's way):
+    keys ending in an even digit land, the others fail."""
+
+    def submit_batch_set(self, keys, views):
+        self._check("set", keys)
+        snap = [bytes(v) for v in views]
+
+        def fn():
+            landed = [k[-1] in "02468" for k in keys]
+            for k, b, ok in zip(keys, snap, landed, strict=True):
+                if ok:
+                    self.data[k] = b
+            return all(landed), landed
+
+        return self._later(fn)
+
+
+def test_a_failed_set_with_per_key_results_charges_only_the_landed_keys():
+    conn = PerKeySetConnector()
+    a = NativeConnectorL2Adapter(conn)
+    try:
+        _, res = store(a, [key(1), key(2), key(4)], [obj(), obj(), obj()])
+        assert not res.is_successful()
+        assert a.known_key_sizes() == [(key(2), 400), (key(4), 400)]
+        assert a.get_usage().total_bytes_used == 800
+        _, res = store(a, [key(2), key(6)], [obj(), obj()])  # every key lands: success
+        assert res.is_successful() and res.bytes_transferred() == 400  # key 2 was there
+    finally:
+        a.close()

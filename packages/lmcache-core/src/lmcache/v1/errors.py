@@ -54,6 +54,7 @@ L2_TYPE_WHEELS: dict[str, str] = {
     "nixl_store": "lmcache-nixl",
     "nixl_native": "lmcache-nixl",
     "raw_block": "lmcache-raw-block",
+    "mooncake_store": "lmcache-mooncake",
 }
 
 # Types LMCache 0.5.6 registers that no wheel of this release provides (docs/compat.md,
@@ -66,7 +67,6 @@ LMCACHE_056_ONLY_L2_TYPES: frozenset[str] = frozenset(
         "dax",
         "hf3fs",
         "hfbucket",
-        "mooncake_store",
         "nixl_store_dynamic",
         "p2p",
         "sagemaker-hyperpod",

@@ -216,9 +216,11 @@ class NativeConnectorL2Adapter(CompletionChannels, L2AdapterInterface):
             return
         if p.op == "store":
             new_keys, new_sizes, old_keys = [], [], []
+            landed_bits = self._bitmap(p.n, ok, bools, default_all=True)
+            landed = landed_bits.gather(list(zip(p.keys, p.sizes, strict=False)))
             with self._lock:
                 self._storing -= collections.Counter(p.keys)  # drops keys that reach 0
-                for k, s in zip(p.keys, p.sizes, strict=False) if ok else ():
+                for k, s in landed:
                     if k in self._known:
                         old_keys.append(k)
                     else:
@@ -232,7 +234,9 @@ class NativeConnectorL2Adapter(CompletionChannels, L2AdapterInterface):
             result = (
                 L2StoreResult(True, sum(new_sizes))
                 if ok
-                else L2StoreResult(False, 0, error=error or "the connector gave no reason")
+                else L2StoreResult(
+                    False, 0, error=error or "the connector gave no reason", landed=landed_bits
+                )
             )
             self._store_channel.complete(p.task_id, result)
         elif p.op == "lookup":
