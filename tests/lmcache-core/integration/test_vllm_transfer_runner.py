@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import ast
+import dataclasses
 import itertools
 import os
 from pathlib import Path
@@ -116,6 +117,49 @@ def test_a_runner_without_an_adapter_stores_then_retrieves(servers, mode, shm, i
         for name, t in kv.items():
             assert torch.equal(t[:, block_ids], stored[name]), name
     finally:
+        runner.close(timeout=5)
+        link.close()
+
+
+@pytest.mark.parametrize("busy", [False, True])
+def test_an_inline_retrieve_from_a_stopped_server_fails_within_its_timeout(
+    lmcache_server, sigstop, busy
+):
+    """A synchronous load waits on the server in the engine's forward: against a server that
+    stopped answering it fails after its own timeout, not after mq_timeout (an RPC's), also
+    when a store that holds the SHM views is stuck on the same server (``busy``)."""
+    import signal
+    import time
+
+    srv = lmcache_server("--shm-name", f"trstop{os.getpid()}")
+    instance_id = next(_ids)
+    model = f"runner-stopped-{instance_id}"
+    mq_timeout = 120.0  # far beyond the retrieve's timeout: a wait on it would show
+    link = ServerLink(
+        MPConnectorConfig(host="tcp://127.0.0.1", port=srv.port, mq_timeout=mq_timeout),
+        role="worker (test)",
+        instance_id=instance_id,
+    )
+    kv = vllm_kv_caches()
+    spec = spec_for(model, instance_id, "engine_driven")
+    runner = TransferRunner(link, kv, dataclasses.replace(spec, mq_timeout=mq_timeout))
+    try:
+        tokens = [(instance_id * 1000 + i) % 30000 for i in range(link.chunk_size)]
+        block_ids = list(range(1, 1 + len(tokens) // BLOCK))
+        assert runner.submit_store(key(model, tokens, "store"), [block_ids]).result(20)
+        assert runner.flush(20)
+        sigstop(srv.proc.pid)
+        if busy:  # a store on the runner's thread, stuck on the stopped server
+            runner.submit_store(key(model, tokens, "store-2"), [block_ids])
+        t0 = time.monotonic()
+        load = runner.submit_retrieve(
+            key(model, tokens, "load"), [block_ids], 0, inline=True, timeout=1.0
+        )
+        waited = time.monotonic() - t0
+        assert load.result(0) is False
+        assert waited < mq_timeout / 2  # its own timeout bounded it, not an RPC's
+    finally:
+        os.kill(srv.proc.pid, signal.SIGCONT)
         runner.close(timeout=5)
         link.close()
 
