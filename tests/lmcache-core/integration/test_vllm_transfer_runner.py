@@ -9,8 +9,10 @@ import itertools
 import os
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
+from testsupport.waiting import eventually
 
 from lmcache.integration.vllm import transfer_runner
 from lmcache.integration.vllm.mp_config import MPConnectorConfig
@@ -148,6 +150,8 @@ def test_an_inline_retrieve_from_a_stopped_server_fails_within_its_timeout(
         block_ids = list(range(1, 1 + len(tokens) // BLOCK))
         assert runner.submit_store(key(model, tokens, "store"), [block_ids]).result(20)
         assert runner.flush(20)
+        # the scheduler's lookup: read-locks the chunk for this request's retrieve
+        assert link.client.lookup_hits(key(model, tokens, "load", worker_id=None), 10.0) == 1
         sigstop(srv.proc.pid)
         if busy:  # a store on the runner's thread, stuck on the stopped server
             runner.submit_store(key(model, tokens, "store-2"), [block_ids])
@@ -158,10 +162,20 @@ def test_an_inline_retrieve_from_a_stopped_server_fails_within_its_timeout(
         waited = time.monotonic() - t0
         assert load.result(0) is False
         assert waited < mq_timeout / 2  # its own timeout bounded it, not an RPC's
+        os.kill(srv.proc.pid, signal.SIGCONT)
+        # The resumed server prepares the abandoned retrieve (read-locking its slot for
+        # this live worker); the commit the worker sent behind it releases the lock, long
+        # before the L1 read TTL would.
+        eventually(lambda: read_locked(srv) == 0, "no read lock left on the server", 20)
     finally:
         os.kill(srv.proc.pid, signal.SIGCONT)
         runner.close(timeout=5)
         link.close()
+
+
+def read_locked(srv) -> int:
+    status = httpx.get(srv.http_url + "/status", timeout=5).json()
+    return int(status["storage_manager"]["l1_manager"]["read_locked_count"])
 
 
 def test_engine_driven_refuses_more_than_one_kv_group(servers):

@@ -430,7 +430,19 @@ class EngineDrivenTransferContext(TransferContext):
         def left() -> float:
             return self.timeout if deadline is None else max(0.0, deadline - time.monotonic())
 
-        reply = self.client.call("prepare_retrieve", key, self.instance_id, timeout=left()) or {}
+        try:
+            reply = (
+                self.client.call("prepare_retrieve", key, self.instance_id, timeout=left()) or {}
+            )
+        except Exception:
+            # No reply in time: a server that stalled may still prepare it when it resumes,
+            # and then keeps the slots read-locked for this live worker until a commit. The
+            # commit sent now reaches it behind the prepare (one worker's transfers run in
+            # order) and releases them; a server that never got the prepare answers False.
+            self.client.submit("commit_retrieve", key, self.instance_id).add_done_callback(
+                _drop_result
+            )
+            raise
         ok = bool(reply.get("success"))
         ctx = reply.get("context") or {}
         if ok and "slots" in ctx and self._shm_flat is None:
@@ -554,6 +566,14 @@ class LMCacheDrivenTransferContext(TransferContext):
                 w.close()
             except Exception:
                 pass
+
+
+def _drop_result(fut: MPFuture) -> None:
+    """A reply nobody needs (read so the client keeps no slot for it)."""
+    try:
+        fut.result(0)
+    except Exception:
+        pass
 
 
 def _log_commit_failure(fut: MPFuture) -> None:
