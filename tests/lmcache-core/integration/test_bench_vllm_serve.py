@@ -217,6 +217,37 @@ def test_faults_never_leave_the_server_dead_when_the_load_ends_first():
     calls.clear()
     bs._run_faults([(3600.0, "kill"), (7200.0, "restart")], _FakeServer(calls, done), done, [])
     assert calls == []  # the load ended before the kill: nothing to restart
+    # the clock starts with the load: a load that never started sees no fault
+    bs._run_faults([(0.0, "kill"), (1.0, "restart")], _FakeServer(calls, done), done, [], bool)
+    assert calls == []
+
+
+def test_load_started_reads_vllms_prompt_token_counter():
+    import http.server
+
+    class Metrics(http.server.BaseHTTPRequestHandler):
+        body = b""
+
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(Metrics.body)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.HTTPServer(("127.0.0.1", 0), Metrics)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{httpd.server_address[1]}"
+    try:
+        Metrics.body = b'# HELP x\nvllm:prompt_tokens_total{model_name="m"} 0.0\n'
+        assert bs.load_started(url) is False
+        Metrics.body = b'vllm:prompt_tokens_total{model_name="m"} 2112.0\n'
+        assert bs.load_started(url) is True
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    assert bs.load_started(url) is False  # nothing listens: not started
 
 
 def test_importing_vllm_cli_changes_nothing_in_this_process():

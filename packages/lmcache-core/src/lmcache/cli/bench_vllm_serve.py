@@ -24,7 +24,8 @@ their flags are given):
   space cut to ``--small-kv-cache-gb`` and ``--small-kv-num-prefixes`` prefixes, so the
   working set exceeds what vLLM holds and ours catches what vLLM evicts;
 * ``lmcache_sigkill`` (with ``--kill-at S``): ``lmcache`` with the server SIGKILLed S seconds
-  into the load and restarted on the same ports ``--restart-after`` seconds later;
+  into the load (counted from the first prompt vLLM takes) and restarted on the same ports
+  ``--restart-after`` seconds later;
 * ``lmcache_sigstop`` (with ``--stop-at S``): ``lmcache`` with the server SIGSTOPped, then
   SIGCONTinued ``--cont-after`` seconds later.
 
@@ -46,6 +47,7 @@ import tempfile
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -445,9 +447,31 @@ def _stop_group(proc: subprocess.Popen, timeout: float = 30.0) -> None:
         pass
 
 
+def load_started(vllm_url: str) -> bool:
+    """vLLM has taken prompt tokens (its ``vllm:prompt_tokens_total`` counter is above 0):
+    the load generator is past its own start-up (tokenizer, dataset)."""
+    try:
+        with urllib.request.urlopen(vllm_url + "/metrics", timeout=5) as r:
+            text = r.read().decode()
+    except OSError:
+        return False
+    for line in text.splitlines():
+        if line.startswith("vllm:prompt_tokens_total") and float(line.rsplit(" ", 1)[1]) > 0:
+            return True
+    return False
+
+
 def _run_faults(
-    plan: list[tuple[float, str]], server: BenchServer, done: threading.Event, log: list
+    plan: list[tuple[float, str]],
+    server: BenchServer,
+    done: threading.Event,
+    log: list,
+    started: Callable[[], bool] = lambda: True,
 ) -> None:
+    """The plan's times count from the first prompt vLLM takes (``started``)."""
+    while not started():
+        if done.wait(0.2):
+            return  # no load at all
     t0 = time.monotonic()
     for at, action in plan:
         finished = done.wait(max(0.0, at - (time.monotonic() - t0)))
@@ -498,14 +522,17 @@ def run_case(case: Case, model: str, args: argparse.Namespace, logs: Path) -> di
     done = threading.Event()
     try:
         deadline = time.monotonic() + args.timeout
-        _wait_http_ok(f"http://127.0.0.1:{port}/health", serve, args.timeout, "vllm serve")
+        vllm_url = f"http://127.0.0.1:{port}"
+        _wait_http_ok(vllm_url + "/health", serve, args.timeout, "vllm serve")
         result_file = logs / f"{case.name}.result.json"
         plan = fault_plan(case, args)
         thread = None
         if plan:
             assert server is not None
             thread = threading.Thread(
-                target=_run_faults, args=(plan, server, done, faults), daemon=True
+                target=_run_faults,
+                args=(plan, server, done, faults, lambda: load_started(vllm_url)),
+                daemon=True,
             )
             thread.start()
         with open(logs / f"{case.name}.bench.log", "wb") as bench_log:

@@ -39,10 +39,10 @@ def vllm_version(lookup: Callable[[str], str] = _real_version) -> str:
     return base if "+" in base else base + "+cpu"
 
 
-def _version(name: str) -> str:
-    if name == "vllm":
+def _version(distribution_name: str) -> str:
+    if distribution_name == "vllm":
         return vllm_version()
-    return _real_version(name)
+    return _real_version(distribution_name)
 
 
 def install() -> None:
