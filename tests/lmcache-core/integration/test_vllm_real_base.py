@@ -63,11 +63,20 @@ def test_both_roles_from_a_real_kv_transfer_config(lmcache_server):
     srv = lmcache_server()
     cfg = make_vllm_config(port=srv.port)
     cfg.kv_transfer_config = _kv_transfer_config(srv.port)
+    assert cfg.kv_transfer_config.kv_load_failure_policy == "fail"  # vLLM's default
     sched = LMCacheMPConnector(cfg, base.KVConnectorRole.SCHEDULER, None)
     worker = LMCacheMPConnector(cfg, base.KVConnectorRole.WORKER, None)
     assert sched.scheduler_adapter is not None and worker.worker_adapter is not None
+    # a failed load (server gone) is recomputed by vLLM's scheduler, never a failed request
+    assert cfg.kv_transfer_config.kv_load_failure_policy == "recompute"
     sched.shutdown()
     worker.shutdown()
+
+    keep = _kv_transfer_config(srv.port)
+    keep.kv_connector_extra_config["lmcache.mp.recompute_failed_loads"] = "false"
+    cfg.kv_transfer_config = keep
+    LMCacheMPConnector(cfg, base.KVConnectorRole.SCHEDULER, None).shutdown()
+    assert keep.kv_load_failure_policy == "fail"  # left as the user set it
 
     # the harness scenario with vLLM's real base class underneath
     prompt = [(i * 37) % 40000 + 1 for i in range(600)]

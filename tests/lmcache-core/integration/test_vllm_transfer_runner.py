@@ -4,12 +4,15 @@
 from __future__ import annotations
 
 import ast
+import dataclasses
 import itertools
 import os
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
+from testsupport.waiting import eventually
 
 from lmcache.integration.vllm import transfer_runner
 from lmcache.integration.vllm.mp_config import MPConnectorConfig
@@ -118,6 +121,61 @@ def test_a_runner_without_an_adapter_stores_then_retrieves(servers, mode, shm, i
     finally:
         runner.close(timeout=5)
         link.close()
+
+
+@pytest.mark.parametrize("busy", [False, True])
+def test_an_inline_retrieve_from_a_stopped_server_fails_within_its_timeout(
+    lmcache_server, sigstop, busy
+):
+    """A synchronous load waits on the server in the engine's forward: against a server that
+    stopped answering it fails after its own timeout, not after mq_timeout (an RPC's), also
+    when a store that holds the SHM views is stuck on the same server (``busy``)."""
+    import signal
+    import time
+
+    srv = lmcache_server("--shm-name", f"trstop{os.getpid()}")
+    instance_id = next(_ids)
+    model = f"runner-stopped-{instance_id}"
+    mq_timeout = 120.0  # far beyond the retrieve's timeout: a wait on it would show
+    link = ServerLink(
+        MPConnectorConfig(host="tcp://127.0.0.1", port=srv.port, mq_timeout=mq_timeout),
+        role="worker (test)",
+        instance_id=instance_id,
+    )
+    kv = vllm_kv_caches()
+    spec = spec_for(model, instance_id, "engine_driven")
+    runner = TransferRunner(link, kv, dataclasses.replace(spec, mq_timeout=mq_timeout))
+    try:
+        tokens = [(instance_id * 1000 + i) % 30000 for i in range(link.chunk_size)]
+        block_ids = list(range(1, 1 + len(tokens) // BLOCK))
+        assert runner.submit_store(key(model, tokens, "store"), [block_ids]).result(20)
+        assert runner.flush(20)
+        # the scheduler's lookup: read-locks the chunk for this request's retrieve
+        assert link.client.lookup_hits(key(model, tokens, "load", worker_id=None), 10.0) == 1
+        sigstop(srv.proc.pid)
+        if busy:  # a store on the runner's thread, stuck on the stopped server
+            runner.submit_store(key(model, tokens, "store-2"), [block_ids])
+        t0 = time.monotonic()
+        load = runner.submit_retrieve(
+            key(model, tokens, "load"), [block_ids], 0, inline=True, timeout=1.0
+        )
+        waited = time.monotonic() - t0
+        assert load.result(0) is False
+        assert waited < mq_timeout / 2  # its own timeout bounded it, not an RPC's
+        os.kill(srv.proc.pid, signal.SIGCONT)
+        # The resumed server prepares the abandoned retrieve (read-locking its slot for
+        # this live worker); the commit the worker sent behind it releases the lock, long
+        # before the L1 read TTL would.
+        eventually(lambda: read_locked(srv) == 0, "no read lock left on the server", 20)
+    finally:
+        os.kill(srv.proc.pid, signal.SIGCONT)
+        runner.close(timeout=5)
+        link.close()
+
+
+def read_locked(srv) -> int:
+    status = httpx.get(srv.http_url + "/status", timeout=5).json()
+    return int(status["storage_manager"]["l1_manager"]["read_locked_count"])
 
 
 def test_engine_driven_refuses_more_than_one_kv_group(servers):

@@ -1,7 +1,7 @@
 """Benchmarks: kernels (copy ops), l2 (storage adapters), server (MP server), vllm (TTFT
-of a real vLLM).
+of a real vLLM), vllm-serve (vLLM's OpenAI server under load).
 
-``lmcache bench kernels|vllm`` print JSON results; ``bench l2`` and ``bench server`` print
+``lmcache bench kernels|vllm|vllm-serve`` print JSON results; ``bench l2`` and ``bench server`` print
 LMCache 0.5.6's reports (``--format terminal|json``, ``--output``, ``-q``).
 ``lmcache bench <target> --help`` lists the target's flags.
 """
@@ -33,6 +33,11 @@ BENCH_TARGETS: tuple[Subcommand, ...] = (
         "vllm",
         "lmcache.cli.bench_vllm",
         "TTFT of a real vLLM: no cache, our hit, vLLM's prefix cache (JSON)",
+    ),
+    Subcommand(
+        "vllm-serve",
+        "lmcache.cli.bench_vllm_serve",
+        "vllm serve under vllm bench serve: no cache, vLLM's prefix cache, ours, faults (JSON)",
     ),
 )
 

@@ -39,6 +39,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -52,7 +53,8 @@ GOAL_VS_PREFIX_HIT = 1.15
 GOAL_VS_NO_CACHE = 3.0
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """``--model`` or the shape of the random Llama built in its place (see build_model)."""
     p.add_argument("--model", default=None, help="model folder (default: build a random Llama)")
     p.add_argument("--layers", type=int, default=8, help="layers of the built model (default 8)")
     p.add_argument(
@@ -63,6 +65,33 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=str(Path.home() / ".cache" / "lmcache-bench"),
         help="where the built model is kept (default ~/.cache/lmcache-bench)",
     )
+
+
+def build_model(args: argparse.Namespace) -> str:
+    """``--model``, or a random-weight Llama of ``--layers`` x ``--hidden-size`` (built once
+    into ``--model-cache``)."""
+    if args.model is not None:
+        return str(args.model)
+    from lmcache.integration.vllm.tiny_model import TinyLlama, build_tiny_llama
+
+    if args.layers < 1 or args.hidden_size < 64 or args.hidden_size % 64:
+        raise CLIError(
+            f"--layers {args.layers} --hidden-size {args.hidden_size}: give at least one layer "
+            "and a hidden size that is a multiple of 64 (the head size)"
+        )
+    shape = TinyLlama(
+        num_layers=args.layers,
+        hidden_size=args.hidden_size,
+        num_heads=max(1, args.hidden_size // 64),
+        num_kv_heads=max(1, args.hidden_size // 256),
+        intermediate_size=args.hidden_size * 11 // 4,
+    )
+    folder = Path(args.model_cache) / f"llama-{args.layers}x{args.hidden_size}"
+    return str(build_tiny_llama(folder, shape))
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_model_arguments(p)
     p.add_argument("--prompt-tokens", type=int, default=3000, help="prompt length (default 3000)")
     p.add_argument(
         "--transfer-mode",
@@ -98,20 +127,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.set_defaults(func=run)
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
 
-class _Server:
-    """Our own ``lmcache server`` for the run (SHM on, as its embedded defaults)."""
+class BenchServer:
+    """Our own ``lmcache server`` for a benchmark (SHM on, as its embedded defaults), on
+    loopback ports chosen once: ``restart()`` after ``kill()`` comes back on the same ones."""
 
-    def __init__(self, args: argparse.Namespace) -> None:
-        self.port, http_port = _free_port(), _free_port()
+    def __init__(self, chunk_size: int, l1_size_gb: float, extra: list[str] | None = None):
+        self.port, self.http_port = free_port(), free_port()
         self.rpc_url = f"tcp://127.0.0.1:{self.port}"
-        self.http_url = f"http://127.0.0.1:{http_port}"
-        cmd = [
+        self.http_url = f"http://127.0.0.1:{self.http_port}"
+        self.cmd = [
             sys.executable,
             "-m",
             "lmcache.cli.main",
@@ -121,28 +151,44 @@ class _Server:
             "--port",
             str(self.port),
             "--http-port",
-            str(http_port),
+            str(self.http_port),
             "--chunk-size",
-            str(args.chunk_size),
+            str(chunk_size),
             "--l1-size-gb",
-            str(args.l1_size_gb),
+            str(l1_size_gb),
+            *(extra or []),
         ]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self.proc = self._start()
+
+    def _start(self) -> subprocess.Popen:
+        # its log goes to a file: a pipe nobody reads would stall a server that logs a lot
+        self.log = tempfile.TemporaryFile()  # noqa: SIM115 (lives as long as the server)
+        proc = subprocess.Popen(self.cmd, stdout=subprocess.DEVNULL, stderr=self.log)
         deadline = time.monotonic() + 60
         while True:
-            if self.proc.poll() is not None:
-                err = self.proc.stderr.read().decode(errors="replace") if self.proc.stderr else ""
-                raise CLIError(f"lmcache server exited with {self.proc.returncode}: {err[-2000:]}")
+            if proc.poll() is not None:
+                self.log.seek(0)
+                err = self.log.read().decode(errors="replace")
+                raise CLIError(f"lmcache server exited with {proc.returncode}: {err[-2000:]}")
             try:
                 with urllib.request.urlopen(self.http_url + "/healthcheck", timeout=1) as r:
                     if r.status == 200:
-                        return
+                        return proc
             except OSError:
                 pass
             if time.monotonic() > deadline:
-                self.stop()
+                proc.kill()
                 raise CLIError("lmcache server did not become healthy within 60 s")
             time.sleep(0.2)
+
+    def kill(self) -> None:
+        """SIGKILL: the server dies without any cleanup (its SHM segment stays)."""
+        self.proc.kill()
+        self.proc.wait()
+
+    def restart(self) -> None:
+        """A new server on the same ports (after ``kill``)."""
+        self.proc = self._start()
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -151,6 +197,7 @@ class _Server:
                 self.proc.wait(20)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
+                self.proc.wait()
 
 
 def _run_vllm(spec: dict[str, Any], env: dict[str, str], timeout: float) -> list[dict]:
@@ -185,28 +232,15 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError(f"--repeat {args.repeat}: give at least 1")
     if args.url and not args.http_url:
         raise CLIError("--url needs --http-url (the server's HTTP API, for its counters)")
-    from lmcache.integration.vllm.tiny_model import TinyLlama, build_tiny_llama, prompt_token_ids
+    from lmcache.integration.vllm.tiny_model import prompt_token_ids
 
     say = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
-    model = args.model
-    if model is None:
-        shape = TinyLlama(
-            num_layers=args.layers,
-            hidden_size=args.hidden_size,
-            num_heads=max(1, args.hidden_size // 64),
-            num_kv_heads=max(1, args.hidden_size // 256),
-            intermediate_size=args.hidden_size * 11 // 4,
-        )
-        model = str(
-            build_tiny_llama(
-                Path(args.model_cache) / f"llama-{args.layers}x{args.hidden_size}", shape
-            )
-        )
+    model = build_model(args)
     prompt = prompt_token_ids(args.prompt_tokens, seed=int(time.time()))  # new keys every run
     env = dict(os.environ)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{args.kv_cache_gb:g}")
     env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")  # same threads with and without us
-    server = None if args.url else _Server(args)
+    server = None if args.url else BenchServer(args.chunk_size, args.l1_size_gb)
     rpc_url = args.url or server.rpc_url  # type: ignore[union-attr]
     http_url = args.http_url or server.http_url  # type: ignore[union-attr]
     host, _, port = rpc_url.rpartition(":")

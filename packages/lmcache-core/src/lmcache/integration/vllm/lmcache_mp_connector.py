@@ -68,6 +68,21 @@ def _extra_config(vllm_config: Any) -> dict[str, Any]:
     return dict(extra or {})
 
 
+def _recompute_failed_loads(vllm_config: Any) -> None:
+    """vLLM's scheduler reads ``kv_load_failure_policy`` after it built its connector: with
+    "recompute" a failed load costs a recompute, with vLLM's default "fail" the request ends
+    with an error. Fail-open needs the former (``lmcache.mp.recompute_failed_loads``)."""
+    ktc = getattr(vllm_config, "kv_transfer_config", None)
+    if getattr(ktc, "kv_load_failure_policy", "recompute") == "recompute":
+        return
+    ktc.kv_load_failure_policy = "recompute"
+    logger.info(
+        "kv_load_failure_policy set to 'recompute': a load from the LMCache server that fails "
+        "is recomputed instead of failing the request (lmcache.mp.recompute_failed_loads=false "
+        "keeps vLLM's setting)"
+    )
+
+
 def _group_block_sizes(vllm_config: Any, kv_cache_config: Any) -> list[int]:
     groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
     sizes = [int(g.kv_cache_spec.block_size) for g in groups]
@@ -132,6 +147,9 @@ class LMCacheMPConnector(*_BASES):  # type: ignore[misc]
         self.worker_adapter = None
         if role == KVConnectorRole.SCHEDULER:
             from lmcache.integration.vllm.scheduler_adapter import LMCacheMPSchedulerAdapter
+
+            if self.config.recompute_failed_loads:
+                _recompute_failed_loads(vllm_config)
 
             self.scheduler_adapter = LMCacheMPSchedulerAdapter(
                 self.config,

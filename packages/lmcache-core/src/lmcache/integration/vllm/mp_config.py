@@ -107,6 +107,8 @@ _MUST_KEYS: dict[str, tuple[Any, Callable[[str, Any], Any]]] = {
     "retrieve_timeout": (60.0, lambda k, v: _number(k, v, float, positive=True)),
     # Ours (not in 0.5.6): load a hit before the forward of the step that schedules it.
     "sync_load": (True, _bool),
+    # Ours: set vLLM's kv_load_failure_policy to "recompute" (see MPConnectorConfig).
+    "recompute_failed_loads": (True, _bool),
 }
 
 # Recognised, not implemented yet: accepted only at their default value.
@@ -150,6 +152,11 @@ class MPConnectorConfig:
     # A retrieve reads L1 only (the lookup finished the L2 prefetch), so it runs at memory
     # speed and the steps an asynchronous load adds cost more than they hide.
     sync_load: bool = True
+    # True: the scheduler's connector sets vLLM's kv_transfer_config.kv_load_failure_policy
+    # to "recompute", so a load that fails (server gone, stopped, past retrieve_timeout) is
+    # recomputed by vLLM; its default "fail" ends those requests with an error. False: vLLM's
+    # setting stands.
+    recompute_failed_loads: bool = True
 
     @property
     def server_url(self) -> str:

@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import enum
 import math
+import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +36,9 @@ logger = init_logger(__name__)
 
 # How long request_finished waits for unacked lookup/status replies (spec: at most 1 s).
 FINISH_WAIT_S = 1.0
+# At most this many end_session messages wait for a server that does not answer; older ones
+# are dropped (the server's session TTL ends those sessions).
+MAX_OWED_ENDS = 16384
 # Server-side park time of one wait_prefetch_status (nonblocking_lookup_status=false).
 WAIT_STATUS_S = 0.05
 
@@ -121,6 +126,10 @@ class LMCacheMPSchedulerAdapter:
         # Finished requests whose stores may still be on their way: end_session waits for
         # vLLM to report them in finished_sending (see request_finished).
         self._end_after_sending: set[str] = set()
+        # end_session messages owed while the server did not answer (see _end_session).
+        self._owed_ends: deque[str] = deque(maxlen=MAX_OWED_ENDS)
+        self._owed_lock = threading.Lock()
+        self.link.add_recovered_hook(self._send_owed_ends)
         self.gpu_block_pool: Any = None
 
     # -- helpers ------------------------------------------------------------------
@@ -448,8 +457,7 @@ class LMCacheMPSchedulerAdapter:
         sent = set(getattr(output, "finished_sending", None) or ())
         for rid in sent & self._end_after_sending:
             self._end_after_sending.discard(rid)
-            if self.healthy:
-                self.link.send("end_session", rid)
+            self._end_session(rid)
         for t in self.trackers.values():
             if not t.loading_blocks:
                 continue
@@ -494,10 +502,28 @@ class LMCacheMPSchedulerAdapter:
             # linger until its TTL). So it ends once vLLM reports the request in
             # finished_sending: every store of it completed on every worker.
             self._end_after_sending.add(rid)
-        elif self.healthy:
+        else:
             # Also releases, on the server, any lock share a lookup still holds.
-            self.link.send("end_session", rid)
+            self._end_session(rid)
         return stored
+
+    def _end_session(self, rid: str) -> None:
+        """``end_session`` now, or once the server answers again. A server that stalled
+        (SIGSTOP, overload) still holds the lookups sent before it stopped answering and
+        opens their sessions, with read locks, when it resumes: without the end owed to
+        them they would stay until the session TTL. A restarted server knows none of them
+        and ignores the end."""
+        with self._owed_lock:
+            self._owed_ends.append(rid)
+        if self.healthy:
+            self._send_owed_ends()
+
+    def _send_owed_ends(self) -> None:
+        with self._owed_lock:
+            owed = list(self._owed_ends)
+            self._owed_ends.clear()
+        for rid in owed:
+            self.link.send("end_session", rid)
 
     def reset_cache(self) -> bool:
         if not self.healthy:

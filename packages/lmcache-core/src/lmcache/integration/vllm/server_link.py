@@ -37,6 +37,7 @@ class ServerLink:
         self.instance_id = instance_id
         self._on_recover = on_recover
         self._on_unhealthy_cb = on_unhealthy
+        self._recovered_hooks: list[Callable[[], None]] = []
         self._healthy = True
         self._lock = threading.Lock()
         self._recover_lock = threading.Lock()
@@ -133,6 +134,15 @@ class ServerLink:
             self._recover_lock.release()
         self._healthy = True
         logger.info("LMCache server at %s is reachable again; %s recovered", self.url, self.role)
+        for hook in list(self._recovered_hooks):
+            try:
+                hook()
+            except Exception as exc:
+                logger.warning("LMCache %s: a step after recovery failed: %s", self.role, exc)
+
+    def add_recovered_hook(self, hook: Callable[[], None]) -> None:
+        """Run ``hook`` each time the link is healthy again (in the thread that recovered it)."""
+        self._recovered_hooks.append(hook)
 
     def recover(self) -> None:
         """Chunk size unchanged, features negotiated again, then the adapter's own steps."""

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import threading
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -146,13 +147,22 @@ class TransferRunner:
         return self._submit(self.context.submit_store, key, block_ids)
 
     def submit_retrieve(
-        self, key: Any, block_ids: Any, skip_first_n_tokens: int, inline: bool = False
+        self,
+        key: Any,
+        block_ids: Any,
+        skip_first_n_tokens: int,
+        inline: bool = False,
+        timeout: float | None = None,
     ) -> Any:
         """``inline``: an engine_driven retrieve runs in the calling thread, after at most the
-        one transfer in progress (not behind every queued store): a synchronous load."""
+        one transfer in progress (not behind every queued store): a synchronous load. It
+        then takes ``timeout`` seconds at most in all (None: the context's RPC timeout),
+        waiting for that transfer included, and fails (False) past it: the engine's forward
+        waits on it, so a server that stops answering must not hold it for mq_timeout."""
         args = (key, block_ids, skip_first_n_tokens)
         if inline and self._executor is not None:
-            return DoneFuture(self._run(self._generation, self.context.submit_retrieve, *args))
+            ok = self._run(self._generation, self.context.submit_retrieve, *args, timeout=timeout)
+            return DoneFuture(ok)
         return self._submit(self.context.submit_retrieve, *args)
 
     def _submit(self, fn: Any, *args: Any) -> Any:
@@ -161,22 +171,31 @@ class TransferRunner:
         gen = self._generation
         return _ThreadFuture(self._executor.submit(self._run, gen, fn, *args))
 
-    def _run(self, gen: int, fn: Any, *args: Any) -> bool:
+    def _run(self, gen: int, fn: Any, *args: Any, timeout: float | None = None) -> bool:
+        """Run one transfer; ``timeout`` (an inline retrieve's) bounds the wait for the SHM
+        views and is passed on, less that wait, to the transfer."""
         if gen != self._generation or not self.link.healthy:
             return False  # queued before a restart or while degraded: never executed
+        deadline = None if timeout is None else time.monotonic() + timeout
+        # One transfer at a time touches the SHM views (the executor's, an inline
+        # retrieve's, a re-registration's).
+        if not self._views_lock.acquire(timeout=-1 if timeout is None else timeout):
+            logger.warning("transfer failed: the transfer before it still ran after %g s", timeout)
+            return False
         try:
-            # One transfer at a time touches the SHM views (the executor's, an inline
-            # retrieve's, a re-registration's).
-            with self._views_lock:
-                if gen != self._generation:
-                    return False
+            if gen != self._generation:
+                return False
+            if deadline is None:
                 return bool(fn(*args).result(0))
+            return bool(fn(*args, timeout=max(0.0, deadline - time.monotonic())).result(0))
         except RemoteError as exc:
             if exc.code == "NOT_REGISTERED":
                 self.link.mark_unhealthy("the server does not know this worker (NOT_REGISTERED)")
             logger.warning("transfer failed: %s", exc)
         except Exception as exc:
             logger.warning("transfer failed: %s", exc)
+        finally:
+            self._views_lock.release()
         return False
 
     def flush(self, timeout: float | None = None) -> bool:

@@ -237,13 +237,25 @@ class LMCacheMPWorkerAdapter:
                 fut = self._submit_retrieve(meta, healthy, inline=False)
                 io.retrieves.append(_Pending(fut, meta.op.all_block_ids(), time.monotonic()))
 
-    def _submit_retrieve(self, meta: LMCacheMPRequestMetadata, healthy: bool, inline: bool) -> Any:
+    def _submit_retrieve(
+        self,
+        meta: LMCacheMPRequestMetadata,
+        healthy: bool,
+        inline: bool,
+        deadline: float | None = None,
+    ) -> Any:
+        """``deadline`` (time.monotonic()): an inline retrieve fails once it is past."""
         transfer = self.transfer  # None once shut down
         if not healthy or transfer is None:
             return DoneFuture(False)
+        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
         try:
             return transfer.submit_retrieve(
-                self.key_for(meta), meta.op.block_ids, meta.op.skip_first_n_tokens, inline=inline
+                self.key_for(meta),
+                meta.op.block_ids,
+                meta.op.skip_first_n_tokens,
+                inline=inline,
+                timeout=timeout,
             )
         except Exception as exc:
             logger.warning("retrieve of %s failed to start: %s", meta.request_id, exc)
@@ -255,8 +267,12 @@ class LMCacheMPWorkerAdapter:
         first bad block), and the request's stores of this step are skipped: what the
         forward computes on top of a failed load must never reach the cache."""
         healthy = self.healthy
-        futures = [(meta, self._submit_retrieve(meta, healthy, inline=True)) for meta in retrieves]
+        # One deadline for the step's loads, inline ones included: the forward waits on them.
         deadline = time.monotonic() + self.config.retrieve_timeout
+        futures = [
+            (meta, self._submit_retrieve(meta, healthy, inline=True, deadline=deadline))
+            for meta in retrieves
+        ]
         failed: set[int] = set()
         for meta, fut in futures:
             if fut.wait(max(0.0, deadline - time.monotonic())) and _outcome(fut):

@@ -152,8 +152,14 @@ class TransferContext:
         raise NotImplementedError
 
     def submit_retrieve(
-        self, key: P.IPCCacheServerKey, block_ids: Any, skip_first_n_tokens: int = 0
+        self,
+        key: P.IPCCacheServerKey,
+        block_ids: Any,
+        skip_first_n_tokens: int = 0,
+        timeout: float | None = None,
     ) -> MPFuture:
+        """``timeout``: the longest a context that waits for the server in this call (the
+        engine-driven one) may wait in all; None: ``self.timeout`` per RPC."""
         raise NotImplementedError
 
     def unregister(self, timeout: float = 5.0) -> None:
@@ -408,15 +414,35 @@ class EngineDrivenTransferContext(TransferContext):
         return MPFuture.resolved(bool(ok), "store")
 
     def submit_retrieve(
-        self, key: P.IPCCacheServerKey, block_ids: Any, skip_first_n_tokens: int = 0
+        self,
+        key: P.IPCCacheServerKey,
+        block_ids: Any,
+        skip_first_n_tokens: int = 0,
+        timeout: float | None = None,
     ) -> MPFuture:
         ids = _flat_ids(block_ids)
         bpc = self.blocks_per_chunk
         n = (key.end - key.start) // self.chunk_size
         asked = _lease_clock()
-        reply = (
-            self.client.call("prepare_retrieve", key, self.instance_id, timeout=self.timeout) or {}
-        )
+        # A synchronous load passes the time it has left: the engine's forward waits on it.
+        deadline = None if timeout is None else time.monotonic() + timeout
+
+        def left() -> float:
+            return self.timeout if deadline is None else max(0.0, deadline - time.monotonic())
+
+        try:
+            reply = (
+                self.client.call("prepare_retrieve", key, self.instance_id, timeout=left()) or {}
+            )
+        except Exception:
+            # No reply in time: a server that stalled may still prepare it when it resumes,
+            # and then keeps the slots read-locked for this live worker until a commit. The
+            # commit sent now reaches it behind the prepare (one worker's transfers run in
+            # order) and releases them; a server that never got the prepare answers False.
+            self.client.submit("commit_retrieve", key, self.instance_id).add_done_callback(
+                _drop_result
+            )
+            raise
         ok = bool(reply.get("success"))
         ctx = reply.get("context") or {}
         if ok and "slots" in ctx and self._shm_flat is None:
@@ -466,7 +492,7 @@ class EngineDrivenTransferContext(TransferContext):
             return MPFuture.resolved(ok, "retrieve")
         # No lease (a 0.5.6 server) or the copy outlasted it: only the server knows whether
         # the slots stayed ours throughout.
-        committed = self.client.call("commit_retrieve", key, self.instance_id, timeout=self.timeout)
+        committed = self.client.call("commit_retrieve", key, self.instance_id, timeout=left())
         return MPFuture.resolved(bool(ok and committed), "retrieve")
 
     def unregister(self, timeout: float = 5.0) -> None:
@@ -516,8 +542,13 @@ class LMCacheDrivenTransferContext(TransferContext):
         return _ok_of(fut, "store")
 
     def submit_retrieve(
-        self, key: P.IPCCacheServerKey, block_ids: Any, skip_first_n_tokens: int = 0
+        self,
+        key: P.IPCCacheServerKey,
+        block_ids: Any,
+        skip_first_n_tokens: int = 0,
+        timeout: float | None = None,
     ) -> MPFuture:
+        # asynchronous: the caller bounds its wait on the future itself
         fut = self.client.submit(
             "retrieve", key, self.instance_id, [_flat_ids(block_ids)], b"", int(skip_first_n_tokens)
         )
@@ -535,6 +566,14 @@ class LMCacheDrivenTransferContext(TransferContext):
                 w.close()
             except Exception:
                 pass
+
+
+def _drop_result(fut: MPFuture) -> None:
+    """A reply nobody needs (read so the client keeps no slot for it)."""
+    try:
+        fut.result(0)
+    except Exception:
+        pass
 
 
 def _log_commit_failure(fut: MPFuture) -> None:
