@@ -278,3 +278,29 @@ def test_publisher_config_errors_name_the_fix():
         KVEventsConfig.parse('{"enable_kv_cache_events": true, "publisher": "kafka"}')
     assert not KVEventsConfig.parse('{"enable_kv_cache_events": false}').enabled
     assert KVEventsConfig.parse('{"enable_kv_cache_events": true}').endpoint == "tcp://*:5557"
+
+
+def _configs(*argv: str):
+    import argparse
+
+    from lmcache.cli.server import add_server_args, build_configs
+
+    parser = argparse.ArgumentParser()
+    add_server_args(parser)
+    return build_configs(parser.parse_args(list(argv)))
+
+
+def test_flags_size_the_log_and_refuse_what_cannot_work():
+    from lmcache.cli.errors import CLIError
+
+    assert _configs()[0].kv_event_log_size == 32768  # 0.5.6's default: on
+    assert _configs("--kv-event-log-size", "100")[0].kv_event_log_size == 100
+    assert _configs("--disable-observability")[0].kv_event_log_size == 0  # as in 0.5.6
+    on = '{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557"}'
+    assert _configs("--kv-events-config", on)[0].kv_events_config == on
+    with pytest.raises(CLIError, match=r"--kv-event-log-size must be >= 0 \(got -1\)"):
+        _configs("--kv-event-log-size", "-1")
+    with pytest.raises(CLIError, match="--kv-event-log-size 0 or --disable-observability"):
+        _configs("--kv-event-log-size", "0", "--kv-events-config", on)
+    with pytest.raises(CLIError, match="unknown key"):
+        _configs("--kv-events-config", '{"topics": "x"}')
