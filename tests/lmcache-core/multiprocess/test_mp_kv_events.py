@@ -304,3 +304,45 @@ def test_flags_size_the_log_and_refuse_what_cannot_work():
         _configs("--kv-event-log-size", "0", "--kv-events-config", on)
     with pytest.raises(CLIError, match="unknown key"):
         _configs("--kv-events-config", '{"topics": "x"}')
+
+
+# --------------------------------------------------------------- the connector's side
+def _raw(pending, block_size):
+    return [
+        (kind, medium, hashes, parent, tokens) for kind, medium, hashes, parent, tokens in pending
+    ]
+
+
+def test_worker_events_announce_each_chunk_once_and_remove_only_what_was_announced(
+    lmcache_server, mp
+):
+    from lmcache.integration.vllm.kv_events import WorkerKVEvents
+
+    srv = lmcache_server()
+    c, ctx = mp.worker(srv.rpc_url, mp.make_kv(), model="conn")
+    events = WorkerKVEvents(srv.rpc_url, 4242, "conn", 256)
+    events.start()
+    got: list = []
+    try:
+        assert ctx.submit_store(mp.key("a", model="conn"), list(range(1, 33))).result(20)
+        mp.wait_for(lambda: got.extend(events.take(_raw)) or len(got) >= 2, "two BlockStored")
+        assert [(k, m) for k, m, *_ in got] == [("stored", "CPU"), ("stored", "CPU")]
+        assert got[0][4] == mp.TOKENS[:256] and got[1][3] == got[0][2][0]
+        hashes = {got[0][2][0], got[1][2][0]}
+        # the same chunks again (another rank, or a re-store) announce nothing new
+        assert ctx.submit_store(mp.key("b", model="conn"), list(range(1, 33))).result(20)
+        assert c.call("clear", True) is None
+        later: list = []
+        mp.wait_for(lambda: later.extend(events.take(_raw)) or later, "BlockRemoved")
+        assert [(k, m) for k, m, *_ in later] == [("removed", "CPU")]
+        assert set(later[0][2]) == hashes
+        # events lost (or a server restart): everything announced is withdrawn first
+        assert ctx.submit_store(mp.key("c", model="conn"), list(range(1, 33))).result(20)
+        mp.wait_for(lambda: len(events.take(_raw)) == 2, "stored again")
+        events._on_batch(P.KVEventBatch(enabled=True, incarnation=1, next_cursor=0, lost=True))
+        withdrawn = events.take(_raw)
+        assert [(k, m, set(h)) for k, m, h, *_ in withdrawn] == [("removed", "CPU", hashes)]
+    finally:
+        events.stop()
+        ctx.close()
+        c.close()
