@@ -17,8 +17,8 @@ pytest.importorskip("vllm", reason="vLLM is not installed (run `nox -s vllm`)")
 
 import msgspec
 import zmq
-from test_vllm_cpu_e2e import CHUNK, run_vllm
-from test_vllm_cpu_e2e import model_dir as _model_dir
+from real_vllm.test_vllm_cpu_e2e import CHUNK, run_vllm
+from real_vllm.test_vllm_cpu_e2e import model_dir as _model_dir
 from testsupport.ports import free_port
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
 

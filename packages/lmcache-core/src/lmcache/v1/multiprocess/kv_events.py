@@ -37,8 +37,8 @@ from lmcache.v1.multiprocess.protocol import (
 logger = init_logger(__name__)
 
 # Chunk hash -> (its tokens, parent hash), for the stores whose chunks have not reached
-# every tier yet; the oldest go first (LMCache 0.5.6 keeps as many).
-TOKEN_BINDINGS = 65536
+# every tier yet; the oldest go first. 16384 chunks of 256 tokens hold 16 MiB of token ids.
+TOKEN_BINDINGS = 16384
 MAX_EVENTS_PER_BATCH = 1024
 MAX_SUBSCRIPTIONS = 256
 
@@ -155,18 +155,10 @@ class KVEventLog(StorageKeyListener):
             self.cond.notify_all()
 
     # ------------------------------------------------------------------ reading
-    def _after(self, cursor: int) -> tuple[list[_Record], bool]:
-        """The records after ``cursor`` and whether some were lost (trimmed from the log,
-        or a cursor from another incarnation). Call with the lock held."""
-        last = self.last_seq
-        first = self._log[0].seq if self._log else last + 1
-        lost = cursor + 1 < first or cursor > last
-        start = max(0, cursor + 1 - first)
-        return list(itertools.islice(self._log, start, None)), lost
-
     def read(self, model_name: str | None, cursor: int, max_events: int) -> KVEventBatch:
         """Up to ``max_events`` records of ``model_name`` (None: every model) after
-        ``cursor``; ``next_cursor`` is where to resume."""
+        ``cursor``; ``next_cursor`` is where to resume, ``lost`` says records after
+        ``cursor`` are gone (trimmed, or a cursor of another incarnation)."""
         if cursor < 0 or max_events <= 0:
             raise ValueError(
                 f"cursor must be >= 0 and max_events > 0 (got cursor={cursor}, "
@@ -176,22 +168,24 @@ class KVEventLog(StorageKeyListener):
             return KVEventBatch(
                 enabled=False, incarnation=self.incarnation, next_cursor=0, lost=False
             )
-        with self.cond:
-            records, lost = self._after(cursor)
-            next_cursor = min(cursor, self.last_seq)
         out: list[_Record] = []
-        for rec in records:
-            next_cursor = rec.seq
-            if model_name is None or rec.model_name == model_name:
-                out.append(rec)
-                if len(out) == max_events:
-                    break
+        with self.cond:
+            last = self.last_seq
+            first = self._log[0].seq if self._log else last + 1
+            lost = cursor + 1 < first or cursor > last
+            next_cursor = min(cursor, last)
+            for rec in itertools.islice(self._log, max(0, cursor + 1 - first), None):
+                next_cursor = rec.seq
+                if model_name is None or rec.model_name == model_name:
+                    out.append(rec)
+                    if len(out) == max_events:
+                        break
         return KVEventBatch(
             enabled=True,
             incarnation=self.incarnation,
             next_cursor=next_cursor,
             lost=lost,
-            events=[r.to_wire() for r in out],
+            events=[r.to_wire() for r in out],  # token ids decoded outside the lock
         )
 
     def status(self, subscribers: int = 0) -> dict[str, Any]:
