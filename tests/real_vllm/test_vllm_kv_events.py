@@ -9,6 +9,7 @@ Run by ``nox -s vllm``; skipped where vLLM is not installed.
 from __future__ import annotations
 
 import json
+import pickle
 import threading
 
 import pytest
@@ -105,6 +106,8 @@ def test_connector_events_are_vllms_own_classes():
     box = kv_events_container(events)
     assert isinstance(box, KVConnectorKVEvents)
     assert box.aggregate().get_all_events() == events
+    # vLLM pickles it from the worker process to the scheduler
+    assert pickle.loads(pickle.dumps(box)).get_all_events() == events
     # the frame vLLM's publisher sends decodes back into the same events
     wire = msgspec.msgpack.encode(KVEventBatch(ts=1.0, events=events))
     assert msgspec.msgpack.Decoder(KVEventBatch).decode(wire).events == events

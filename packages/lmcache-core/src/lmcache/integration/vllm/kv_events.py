@@ -19,6 +19,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from lmcache.integration.vllm.vllm_base import KVConnectorKVEvents
 from lmcache.utils import init_logger
 from lmcache.v1.multiprocess import protocol as P
 from lmcache.v1.multiprocess.kv_event_subscriber import KVEventSubscriber
@@ -126,45 +127,35 @@ def _hash_converter():
         return lambda h: h
 
 
-def kv_events_container(events: list[Any]) -> Any:
+def kv_events_container(events: list[Any]) -> LMCacheMPKVEvents:
     """vLLM's ``KVConnectorKVEvents`` holding ``events`` (what a worker returns)."""
-    return _container_class()(events)
+    return LMCacheMPKVEvents(events)
 
 
-_CONTAINER: Any = None
+class LMCacheMPKVEvents(KVConnectorKVEvents):  # type: ignore[misc,valid-type]
+    """Events of the workers of one step, in the order they reported them (one worker per
+    server reports; vLLM merges other workers' containers in). A module-level class: vLLM
+    pickles it from the worker to the scheduler."""
 
+    def __init__(self, events: list[Any] | None = None) -> None:
+        self._events: list[Any] = list(events or [])
+        self._workers = 1
 
-def _container_class() -> Any:
-    global _CONTAINER
-    if _CONTAINER is None:
-        from vllm.distributed.kv_events import KVConnectorKVEvents
+    def add_events(self, events: list[Any]) -> None:
+        self._events.extend(events)
 
-        class LMCacheMPKVEvents(KVConnectorKVEvents):
-            """Events of the workers of one step, in the order they reported them (one
-            worker per server reports; the others' containers, if any, are merged in)."""
+    def aggregate(self) -> LMCacheMPKVEvents:
+        return self
 
-            def __init__(self, events: list[Any] | None = None) -> None:
-                self._events: list[Any] = list(events or [])
-                self._workers = 1
+    def increment_workers(self, count: int = 1) -> None:
+        self._workers += count
 
-            def add_events(self, events: list[Any]) -> None:
-                self._events.extend(events)
+    def get_all_events(self) -> list[Any]:
+        return list(self._events)
 
-            def aggregate(self) -> LMCacheMPKVEvents:
-                return self
+    def get_number_of_workers(self) -> int:
+        return self._workers
 
-            def increment_workers(self, count: int = 1) -> None:
-                self._workers += count
-
-            def get_all_events(self) -> list[Any]:
-                return list(self._events)
-
-            def get_number_of_workers(self) -> int:
-                return self._workers
-
-            def clear_events(self) -> None:
-                self._events.clear()
-                self._workers = 1
-
-        _CONTAINER = LMCacheMPKVEvents
-    return _CONTAINER
+    def clear_events(self) -> None:
+        self._events.clear()
+        self._workers = 1
