@@ -5,10 +5,8 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import time
-from contextlib import contextmanager
 
 from lmcache.v1.multiprocess.kv_event_subscriber import KVEventSubscriber
 
@@ -28,28 +26,16 @@ client.close()
 """
 
 
-@contextmanager
-def _without_our_sources():
-    """A PYTHONPATH naming our sources (a checkout under test) must not reach 0.5.6's venv."""
-    saved = os.environ.pop("PYTHONPATH", None)
-    try:
-        yield
-    finally:
-        if saved is not None:
-            os.environ["PYTHONPATH"] = saved
-
-
 def test_their_client_reads_our_event_stream(checker, venvs, tmp_path):
     with checker.running_server(venvs["ours"], "ours", tmp_path, shm=False) as (rpc, http):
         r = checker.run_client(venvs["ours"], "ours", rpc, http, checker.CHECK_SPEC, 2, tmp_path)
         assert r["verified"], r["output_tail"]
-        with _without_our_sources():
-            proc = subprocess.run(
-                [str(venvs["theirs"] / "bin" / "python"), "-c", THEIR_SUBSCRIBER, rpc],
-                capture_output=True,
-                text=True,
-                timeout=300,
-            )
+        proc = subprocess.run(
+            [str(venvs["theirs"] / "bin" / "python"), "-c", THEIR_SUBSCRIBER, rpc],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
     line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
     assert line, proc.stdout[-2000:] + proc.stderr[-3000:]
     got = json.loads(line[-1][len("RESULT ") :])
@@ -62,12 +48,9 @@ def test_their_client_reads_our_event_stream(checker, venvs, tmp_path):
 
 def test_our_subscriber_reads_their_event_stream(checker, venvs, tmp_path):
     batches = []
-    with (
-        _without_our_sources(),
-        checker.running_server(
-            venvs["theirs"], "theirs", tmp_path, shm=False, transfer_mode="auto"
-        ) as (rpc, http),
-    ):
+    with checker.running_server(
+        venvs["theirs"], "theirs", tmp_path, shm=False, transfer_mode="auto"
+    ) as (rpc, http):
         sub = KVEventSubscriber(rpc, 9, "test-model", batches.append)
         sub.start()
         try:
