@@ -91,11 +91,16 @@ class WorkerKVEvents:
         return (convert or to_vllm_events)(pending, self.chunk_size)
 
 
-def to_vllm_events(pending: list[tuple[str, str, list[bytes], Any, list[int]]], block_size: int):
+def to_vllm_events(
+    pending: list[tuple[str, str, list[bytes], Any, list[int]]], block_size: int
+) -> list[Any]:
     """(kind, medium, hashes, parent, tokens) tuples as vLLM's ``BlockStored`` /
     ``BlockRemoved``, hashes converted as vLLM converts its own
     (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``)."""
-    from vllm.distributed.kv_events import BlockRemoved, BlockStored
+    from vllm.distributed.kv_events import (  # type: ignore[import-not-found]
+        BlockRemoved,
+        BlockStored,
+    )
 
     convert = _hash_converter()
     out: list[Any] = []
@@ -118,11 +123,13 @@ def to_vllm_events(pending: list[tuple[str, str, list[bytes], Any, list[int]]], 
     return out
 
 
-def _hash_converter():
+def _hash_converter() -> Callable[[bytes], Any]:
     try:
-        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+        from vllm.v1.core.kv_cache_utils import (  # type: ignore[import-not-found]
+            maybe_convert_block_hash,
+        )
 
-        return maybe_convert_block_hash
+        return maybe_convert_block_hash  # type: ignore[no-any-return]
     except ImportError:  # an older vLLM: hashes as bytes
         return lambda h: h
 

@@ -152,7 +152,7 @@ class ZmqKVEventPublisher:
 
     def __init__(self, config: KVEventsConfig) -> None:
         self.config = config
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context = zmq.Context.instance()
         self._topic = config.topic.encode()
         self._seq = 0
         self._buffer: collections.deque[tuple[int, bytes]] = collections.deque(
@@ -195,7 +195,7 @@ class ZmqKVEventPublisher:
         try:
             if bind:
                 sock.bind(endpoint)
-                return str(sock.getsockopt(zmq.LAST_ENDPOINT).decode())
+                return str(sock.getsockopt_string(zmq.LAST_ENDPOINT))
             sock.connect(endpoint)
             return endpoint
         except zmq.ZMQError as exc:

@@ -73,7 +73,7 @@ class KVEventSubscriber:
         return uid
 
     def _run(self) -> None:
-        ctx = zmq.Context.instance()
+        ctx: zmq.Context = zmq.Context.instance()
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
