@@ -81,7 +81,6 @@ CALLS: list[tuple[str, str, Any]] = [
 # Paths under which a key of 0.5.6's may be missing or typed differently in ours, each an
 # intended difference in docs/compat.md. A path matches itself and everything below it.
 ALLOWED = {
-    "/status": ["$.kv_events"],  # no KV event stream: {"enabled": false} only
     "/config": ["$.mp", "$.storage_manager", "$.observability", "$.coordinator"],
     "/periodic-threads": ["$.threads[0]"],  # different loops; each entry checked by model
     "/periodic-threads?level=high": ["$.threads[0]"],

@@ -99,7 +99,6 @@ def test_help_of_every_flag_we_lack_says_so():
         (["--l1-use-hugepages", "--shm-name", ""], "--l1-use-hugepages"),
         (["--coordinator-url", "http://c:9300"], "--coordinator-url"),
         (["--lookup-hash-log-dir", "/tmp/h"], "--lookup-hash-log-dir"),
-        (["--kv-event-log-size", "100"], "--kv-event-log-size"),
         (["--otlp-endpoint", "http://otel:4317"], "--otlp-endpoint"),
     ],
 )

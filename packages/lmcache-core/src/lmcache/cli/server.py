@@ -69,6 +69,9 @@ def build_configs(args: argparse.Namespace):
         separate_object_groups=args.separate_object_groups,
         disable_metrics=bool(args.disable_metrics or args.disable_observability),
         metrics_sample_rate=args.metrics_sample_rate,
+        # 0.5.6: --disable-observability turns the KV event log off with the event bus
+        kv_event_log_size=0 if args.disable_observability else args.kv_event_log_size,
+        kv_events_config=args.kv_events_config or "",
     )
     if args.instance_id:
         kwargs["instance_id"] = args.instance_id

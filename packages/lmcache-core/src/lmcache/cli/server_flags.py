@@ -41,7 +41,6 @@ NOT_PROVIDED: dict[str, tuple[tuple[Any, ...], str]] = {
     "--runtime-plugin-locations": (([], None), "runtime plugins are not provided"),
     "--enable": (([], None), "experimental transfer modules are not provided"),
     "--server-module": (([], None), "out-of-tree server modules are not provided"),
-    "--kv-event-log-size": ((32768, 0), "the KV-event channel is not provided (0 turns it off)"),
     "--p2p-advertise-url": (("", None), "peer-to-peer KV transfer is not provided"),
     "--l1-manager": (([], None), "tagged L1 managers are not provided; use --l1-size-gb"),
     "--l1-use-hugepages": ((False,), "hugepage-backed L1 is not provided"),
@@ -237,6 +236,16 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         "--kv-event-log-size",
         type=int,
         default=32768,
+        help="store/eviction records of L1 and L2 kept for KV-event subscribers (the vLLM "
+        "connector's take_events); 0 turns KV events off (docs/server.md#kv-events)",
+    )
+    g.add_argument(
+        "--kv-events-config",
+        default="",
+        help="ours: publish the KV events on ZeroMQ in vLLM's own format, for cache-aware "
+        "routers; the JSON of vLLM's --kv-events-config, e.g. "
+        '\'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", "topic": "kv"}\' '
+        "(off by default; needs --kv-event-log-size > 0)",
     )
     g.add_argument("--server-module", action="append", default=[])
 
@@ -407,6 +416,21 @@ def validate_args(args: argparse.Namespace) -> None:
         raise CLIError(f"--hash-algorithm {args.hash_algorithm!r} is unknown; use blake3")
     if args.chunk_size <= 0:
         raise CLIError(f"--chunk-size must be positive (got {args.chunk_size})")
+    if args.kv_event_log_size < 0:
+        raise CLIError(
+            f"--kv-event-log-size must be >= 0 (got {args.kv_event_log_size}); 0 turns KV events off"
+        )
+    from lmcache.v1.multiprocess.kv_event_publisher import KVEventsConfig
+
+    try:
+        kv_pub = KVEventsConfig.parse(args.kv_events_config)
+    except ValueError as exc:
+        raise CLIError(str(exc)) from None
+    if kv_pub.enabled and (args.kv_event_log_size == 0 or args.disable_observability):
+        raise CLIError(
+            "--kv-events-config publishes the KV event log, which --kv-event-log-size 0 or "
+            "--disable-observability turns off; drop one of them"
+        )
     for flag, v in (("--port", args.port), ("--http-port", args.http_port)):
         if not 0 <= v <= 65535:
             raise CLIError(f"{flag} must be a TCP port 0..65535 (got {v})")

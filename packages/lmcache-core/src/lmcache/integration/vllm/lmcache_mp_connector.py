@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from lmcache.integration.vllm.kv_events import kv_events_container
 from lmcache.integration.vllm.mp_config import MPConnectorConfig, parse_extra_config
 from lmcache.integration.vllm.mp_ops import LMCacheMPRequestMetadata, LoadStoreOp
 from lmcache.integration.vllm.parallel_strategy import ParallelStrategy
@@ -83,6 +84,12 @@ def _recompute_failed_loads(vllm_config: Any) -> None:
     )
 
 
+def _kv_events_enabled(vllm_config: Any) -> bool:
+    """vLLM runs with ``--kv-events-config '{"enable_kv_cache_events": true, ...}'``."""
+    cfg = getattr(vllm_config, "kv_events_config", None)
+    return bool(getattr(cfg, "enable_kv_cache_events", False))
+
+
 def _group_block_sizes(vllm_config: Any, kv_cache_config: Any) -> list[int]:
     groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
     sizes = [int(g.kv_cache_spec.block_size) for g in groups]
@@ -142,6 +149,8 @@ class LMCacheMPConnector(*_BASES):  # type: ignore[misc]
         self.model_name = str(vllm_config.model_config.model)
         self.vllm_block_size = int(vllm_config.cache_config.block_size)
         self.strategy = ParallelStrategy.from_vllm_config(vllm_config)
+        self.kv_events_enabled = _kv_events_enabled(vllm_config)
+        self._kv_cache_events: list[Any] = []  # scheduler: the workers' events, for take_events
         group_sizes = _group_block_sizes(vllm_config, kv_cache_config)
         self.scheduler_adapter = None
         self.worker_adapter = None
@@ -167,6 +176,7 @@ class LMCacheMPConnector(*_BASES):  # type: ignore[misc]
                 strategy=self.strategy,
                 vllm_block_size=self.vllm_block_size,
                 kv_cache_config=kv_cache_config,
+                kv_events=self.kv_events_enabled,
             )
         else:
             raise ValueError(f"Unknown KVConnectorRole {role!r}: expected SCHEDULER or WORKER")
@@ -212,7 +222,12 @@ class LMCacheMPConnector(*_BASES):  # type: ignore[misc]
         return self._worker().get_transfer_results(finished_req_ids)
 
     def get_kv_connector_kv_cache_events(self) -> Any:
-        return None  # KV events are LATER
+        """vLLM's ``KVConnectorKVEvents`` with what the server stored and removed since the
+        last step (from the one worker per server that subscribes), or None."""
+        if not self.kv_events_enabled:
+            return None
+        events = self._worker().take_kv_events()
+        return kv_events_container(events) if events else None
 
     def shutdown(self) -> None:
         if self.worker_adapter is not None:
@@ -241,6 +256,9 @@ class LMCacheMPConnector(*_BASES):  # type: ignore[misc]
         self._scheduler().on_new_request(request)
 
     def update_connector_output(self, connector_output: Any) -> None:
+        events = getattr(connector_output, "kv_cache_events", None)
+        if self.kv_events_enabled and events is not None:
+            self._kv_cache_events.extend(events.aggregate().get_all_events())
         self._scheduler().update_connector_output(connector_output)
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
@@ -252,7 +270,9 @@ class LMCacheMPConnector(*_BASES):  # type: ignore[misc]
         return self.request_finished(request, block_ids)
 
     def take_events(self) -> Iterable[Any]:
-        return ()  # KV events are LATER
+        """The workers' KV events since the last call (vLLM publishes them)."""
+        events, self._kv_cache_events = self._kv_cache_events, []
+        return events
 
     def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
         if self.scheduler_adapter is not None:

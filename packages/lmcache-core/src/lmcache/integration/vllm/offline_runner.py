@@ -14,6 +14,8 @@ The spec (JSON):
 * ``prefix_caching``: vLLM's own prefix cache (default false: every hit is ours);
 * ``server_http``: the server's HTTP URL: each request then reports what the server's
   counters did during it (``chunks_loaded``, ``lookup_hit_tokens``, ``l1_write_chunks``);
+* ``kv_events_config``: vLLM's ``--kv-events-config`` as an object (optional; vLLM then
+  publishes its KV events, ours from ``take_events`` among them);
 * ``max_model_len``, ``dtype`` (optional);
 * ``requests``: ``[{"label", "tokens": [ids], "max_tokens": 1, "logprobs": 0,
   "wait_stored_chunks": {"http_url", "at_least"}}]``, run one after another; the wait
@@ -103,6 +105,10 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     }
     if spec.get("connector"):
         kwargs["kv_transfer_config"] = kv_transfer_config(spec["connector"])
+    if spec.get("kv_events_config"):  # vLLM's --kv-events-config, as a JSON object
+        from vllm.config import KVEventsConfig
+
+        kwargs["kv_events_config"] = KVEventsConfig(**spec["kv_events_config"])
     t0 = time.perf_counter()
     llm = LLM(**kwargs)
     startup_s = time.perf_counter() - t0

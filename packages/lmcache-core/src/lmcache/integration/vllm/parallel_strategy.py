@@ -104,6 +104,12 @@ class ParallelStrategy:
         return self.tp_rank < self.dcp_size
 
     @property
+    def is_kv_event_subscriber(self) -> bool:
+        """The one worker per server that reads the server's KV events for vLLM: the first
+        KV worker of the server (for MLA, its first TP rank)."""
+        return self.kv_worker_id == 0 and (not self.use_mla or self.tp_rank == 0)
+
+    @property
     def num_kv_readers(self) -> int:
         """Read-lock shares a lookup takes per hit key: one per rank that retrieves it."""
         if not self.use_mla:

@@ -69,6 +69,15 @@ class ServerLink:
         timeout = min(self.config.mq_timeout, 10.0)
         return self.client.negotiate_default_features(timeout=timeout)
 
+    def experimental(self) -> list[str]:
+        """The server's ``get_experimental`` list (capabilities such as ``kv_event_stream``);
+        empty when it does not answer."""
+        try:
+            return self.client.get_experimental(timeout=min(self.config.mq_timeout, 10.0))
+        except Exception as exc:
+            logger.warning("get_experimental failed on %s: %s", self.url, exc)
+            return []
+
     @property
     def features(self) -> frozenset[str]:
         return self.client.features

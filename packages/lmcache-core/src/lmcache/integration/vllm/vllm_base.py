@@ -194,8 +194,22 @@ else:
             return None
 
 
+def _vllm_kv_events_base() -> type:
+    """vLLM's ``KVConnectorKVEvents`` (what a worker's KV events must be), else ``object``."""
+    if _vllm_base is None:
+        return object
+    try:
+        return importlib.import_module("vllm.distributed.kv_events").KVConnectorKVEvents
+    except Exception:  # an older vLLM without connector KV events
+        return object
+
+
+# The base of the connector's KV event container (``kv_events.LMCacheMPKVEvents``).
+KVConnectorKVEvents: type = _vllm_kv_events_base()
+
 __all__ = [
     "USING_VLLM",
+    "KVConnectorKVEvents",
     "KVConnectorBase_V1",
     "KVConnectorMetadata",
     "KVConnectorRole",

@@ -28,6 +28,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from lmcache.integration.vllm.kv_events import WorkerKVEvents
 from lmcache.integration.vllm.mp_config import MPConnectorConfig
 from lmcache.integration.vllm.mp_ops import LMCacheMPRequestMetadata
 from lmcache.integration.vllm.parallel_strategy import ParallelStrategy
@@ -36,6 +37,7 @@ from lmcache.integration.vllm.server_link import ServerLink
 from lmcache.integration.vllm.transfer_runner import DoneFuture, TransferRunner, TransferRunnerSpec
 from lmcache.integration.vllm.vllm_base import KVConnectorTransferResults
 from lmcache.utils import init_logger
+from lmcache.v1.multiprocess import protocol as P
 from lmcache.v1.multiprocess.protocol import IPCCacheServerKey
 
 logger = init_logger(__name__)
@@ -84,6 +86,7 @@ class LMCacheMPWorkerAdapter:
         kv_cache_config: Any = None,
         link: ServerLink | None = None,
         instance_id: int | None = None,
+        kv_events: bool = False,
     ) -> None:
         self.config = config
         self.model_name = model_name
@@ -112,6 +115,10 @@ class LMCacheMPWorkerAdapter:
         # (wait_for_save) are dropped; start_store consumes the set.
         self._sync_failed: set[str] = set()
         self._lock = threading.Lock()
+        # vLLM's KV events (kv_events_config.enable_kv_cache_events): one worker per server
+        # subscribes to the server's event log once its caches are registered
+        self.kv_events: WorkerKVEvents | None = None
+        self._want_kv_events = kv_events and strategy.is_kv_event_subscriber
 
     # -- registration ---------------------------------------------------------------
     @property
@@ -169,6 +176,25 @@ class LMCacheMPWorkerAdapter:
         )
         self.transfer = TransferRunner(self.link, self.kv_caches, self.transfer_spec())
         self.link.start_heartbeat()
+        if self._want_kv_events and self.kv_events is None:
+            self.kv_events = self._start_kv_events()
+
+    def _start_kv_events(self) -> WorkerKVEvents | None:
+        if P.KV_EVENT_CAPABILITY not in self.link.experimental():
+            logger.warning(
+                "vLLM asked for KV events, but the LMCache server at %s does not offer them "
+                "(it lacks '%s': started with --kv-event-log-size 0?); take_events stays empty",
+                self.link.url,
+                P.KV_EVENT_CAPABILITY,
+            )
+            return None
+        events = WorkerKVEvents(self.link.url, self.instance_id, self.model_name, self.chunk_size)
+        events.start()
+        return events
+
+    def take_kv_events(self) -> list[Any]:
+        """vLLM's events for what the server stored and removed since the last call."""
+        return [] if self.kv_events is None else self.kv_events.take()
 
     def transfer_spec(self) -> TransferRunnerSpec:
         """What the transfer runner registers: this worker's ids, KV geometry and settings."""
@@ -419,6 +445,8 @@ class LMCacheMPWorkerAdapter:
         return errors
 
     def shutdown(self) -> None:
+        if self.kv_events is not None:
+            self.kv_events.stop()
         self.link.stop_heartbeat()  # no re-registration after this point
         transfer, self.transfer = self.transfer, None
         if transfer is not None:

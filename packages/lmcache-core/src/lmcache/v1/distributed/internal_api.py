@@ -26,6 +26,7 @@ __all__ = [
     "L1OperationResult",
     "L2AdapterListener",
     "L2StoreResult",
+    "StorageKeyListener",
 ]
 
 
@@ -155,6 +156,19 @@ class L2AdapterListener:
         pass
 
     def on_l2_keys_deleted(self, keys: list[ObjectKey]) -> None:
+        pass
+
+
+class StorageKeyListener:
+    """Keys that became readable in a storage tier, or left it, across L1 and every L2
+    adapter (``StorageManager.register_key_listener``). ``medium`` names the tier:
+    ``"CPU"`` for L1, the L2 adapter's type name in upper case (``"FS"``, ``"RESP"``, ...).
+    Called on the storage engine's own threads, sometimes inside the L1 lock: only record."""
+
+    def on_keys_stored(self, medium: str, keys: list[ObjectKey]) -> None:
+        pass
+
+    def on_keys_removed(self, medium: str, keys: list[ObjectKey]) -> None:
         pass
 
 

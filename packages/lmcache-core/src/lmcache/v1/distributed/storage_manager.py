@@ -31,7 +31,12 @@ from lmcache.v1.distributed.api import (
 )
 from lmcache.v1.distributed.config import StorageManagerConfig
 from lmcache.v1.distributed.eviction import L1EvictionController, L2EvictionController, QuotaManager
-from lmcache.v1.distributed.internal_api import L1Error
+from lmcache.v1.distributed.internal_api import (
+    L1Error,
+    L1ManagerListener,
+    L2AdapterListener,
+    StorageKeyListener,
+)
 from lmcache.v1.distributed.l1_manager import L1Manager
 from lmcache.v1.distributed.l2_adapters.base import AdapterUsage, L2AdapterInterface
 from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
@@ -50,6 +55,41 @@ logger = init_logger(__name__)
 __all__ = ["StorageManager"]
 
 STORE_TAG = "storage_manager"
+L1_MEDIUM = "CPU"  # the medium of L1 in key events (LMCache 0.5.6's KV event medium)
+
+
+def l2_medium(type_name: str) -> str:
+    """The medium of an L2 tier in key events (KV events): its adapter type, upper case."""
+    return str(type_name).upper()
+
+
+class _L1KeyRelay(L1ManagerListener):
+    """L1's write/delete notifications as ``StorageKeyListener`` calls (medium ``"CPU"``)."""
+
+    def __init__(self, listener: StorageKeyListener) -> None:
+        self._listener = listener
+
+    def on_l1_keys_write_finished(self, keys: list[ObjectKey]) -> None:
+        self._listener.on_keys_stored(L1_MEDIUM, keys)
+
+    on_l1_keys_finish_write_and_reserve_read = on_l1_keys_write_finished
+
+    def on_l1_keys_deleted_by_manager(self, keys: list[ObjectKey]) -> None:
+        self._listener.on_keys_removed(L1_MEDIUM, keys)
+
+
+class _L2KeyRelay(L2AdapterListener):
+    """One L2 adapter's stored/deleted notifications as ``StorageKeyListener`` calls."""
+
+    def __init__(self, listener: StorageKeyListener, medium: str) -> None:
+        self._listener = listener
+        self._medium = medium
+
+    def on_l2_keys_stored(self, keys: list[ObjectKey], sizes: list[int]) -> None:
+        self._listener.on_keys_stored(self._medium, keys)
+
+    def on_l2_keys_deleted(self, keys: list[ObjectKey]) -> None:
+        self._listener.on_keys_removed(self._medium, keys)
 
 
 class StorageManager:
@@ -64,6 +104,7 @@ class StorageManager:
         self.quota_manager = QuotaManager()
         self._periodic: PeriodicEventNotifier | None = None
         self._write_owner: dict[ObjectKey, int] = {}
+        self._key_listeners: list[StorageKeyListener] = []
         self._mu = threading.Lock()
         self._closed = False
         try:
@@ -149,6 +190,8 @@ class StorageManager:
         except BaseException:
             adapter.close()
             raise
+        for listener in list(self._key_listeners):
+            adapter.register_listener(_L2KeyRelay(listener, l2_medium(type_name)))
         logger.info("L2 adapter #%d created: %s", slot.index, type_name)
         return slot
 
@@ -157,6 +200,16 @@ class StorageManager:
         ev = getattr(slot.config, "eviction_config", None) if slot else None
         if slot is not None and ev is not None and self.l2_eviction_controller is not None:
             self.l2_eviction_controller.add_adapter(index, slot.adapter, ev)
+
+    def register_key_listener(self, listener: StorageKeyListener) -> None:
+        """Tell ``listener`` which keys each tier stores and removes, from now on: L1
+        (medium ``"CPU"``) and every L2 adapter, also those added later."""
+        with self._mu:
+            self._key_listeners.append(listener)
+        for l1 in self.l1_managers:
+            l1.register_listener(_L1KeyRelay(listener))
+        for slot in self.registry.slots():
+            slot.adapter.register_listener(_L2KeyRelay(listener, l2_medium(slot.type_name)))
 
     # --- writes ------------------------------------------------------------------------------------
 

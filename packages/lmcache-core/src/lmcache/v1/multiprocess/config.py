@@ -31,6 +31,10 @@ class MPServerConfig:
     disable_metrics: bool = False
     # share of L1 chunks whose lifecycle the metrics follow (--metrics-sample-rate)
     metrics_sample_rate: float = 0.01
+    # KV events (docs/server.md#kv-events): records kept (0 = off), and the JSON of the
+    # vLLM-format ZeroMQ publisher (vLLM's --kv-events-config keys; "" = no publisher)
+    kv_event_log_size: int = 32768
+    kv_events_config: str = ""
 
     @property
     def lmcache_driven_enabled(self) -> bool:

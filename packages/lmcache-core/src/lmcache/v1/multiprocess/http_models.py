@@ -148,7 +148,7 @@ class StatusResponse(_Open):
     cache_context_meta: dict[str, dict[str, Any]]
     registered_non_cuda_instance_ids: list[int]
     non_cuda_context_meta: dict[str, dict[str, Any]]
-    kv_events: dict[str, Any]  # {"enabled": False}: no KV event stream here
+    kv_events: dict[str, Any]  # 0.5.6's fields: enabled, incarnation, log_depth, ...
 
 
 class HTTPFrontendConfig(BaseModel):

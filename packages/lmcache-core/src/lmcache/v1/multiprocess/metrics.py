@@ -128,7 +128,10 @@ _GAUGES: dict[str, tuple[str, tuple[str, ...]]] = {
     "lmcache_mp_l2_usage_bytes": ("bytes an L2 adapter holds", ("l2_name",)),
     "lmcache_mp_event_bus_queue_depth": ("event bus depth (no event bus: 0)", ()),
     "lmcache_mp_event_bus_drain_lag_seconds": ("event bus lag (no event bus: 0)", ()),
-    "lmcache_mp_kv_events_log_depth": ("KV event log depth (not provided: 0)", ()),
+    "lmcache_mp_kv_events_log_depth": (
+        "records in the KV event log (--kv-event-log-size caps it)",
+        (),
+    ),
     "lmcache_mp_shm_enabled": ("1 when the engine-driven SHM pool is in use", ()),
     "lmcache_mp_gc_frozen_objects": (
         "objects alive at start-up, left out of garbage collection",

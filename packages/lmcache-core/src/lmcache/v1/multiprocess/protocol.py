@@ -148,6 +148,46 @@ BlockAllocationRecord = RequestAllocationRecord
 
 
 # ---------------------------------------------------------------------------
+# KV events (0.5.6's ``subscribe_kv_events`` stream; docs/design/protocol.md#kv-events)
+# ---------------------------------------------------------------------------
+
+# get_experimental lists it when the server keeps a KV event log (--kv-event-log-size > 0).
+KV_EVENT_CAPABILITY = "kv_event_stream"
+KV_EVENT_KIND_STORED = "stored"
+KV_EVENT_KIND_REMOVED = "removed"
+KV_EVENT_MEDIUM_CPU = "CPU"  # L1; an L2 tier's medium is its adapter type in upper case
+# A stream control frame: ``[uid, STREAM_CONTROL_OP, b"ack" | b"cancel"]``.
+STREAM_CONTROL_OP = b""
+STREAM_ACK = b"ack"
+STREAM_CANCEL = b"cancel"
+
+
+class KVEventRecord(msgspec.Struct, kw_only=True):
+    """One change of one tier: ``stored`` carries one chunk (its tokens and parent hash),
+    ``removed`` any number of chunk hashes."""
+
+    seq: int
+    kind: str
+    medium: str
+    model_name: str
+    block_hashes: list[bytes]
+    parent_block_hash: bytes | None = None
+    token_ids: list[int] = []
+
+
+class KVEventBatch(msgspec.Struct, kw_only=True):
+    """One batch of a subscription. A new ``incarnation`` (server restart) or ``lost``
+    (the cursor fell out of the log) means: withdraw what was announced before.
+    ``enabled=False`` ends the stream; resume at ``next_cursor``."""
+
+    enabled: bool
+    incarnation: int
+    next_cursor: int
+    lost: bool
+    events: list[KVEventRecord] = []
+
+
+# ---------------------------------------------------------------------------
 # Op catalogue (5.1)
 # ---------------------------------------------------------------------------
 
@@ -282,7 +322,19 @@ OPS: tuple[OpSpec, ...] = (
     OpSpec("get_experimental", 32, _S),
     OpSpec("cb_protocol_handshake", 33, None, supported=False),
     OpSpec("cb_reorder_plan", None, None, supported=False),
-    OpSpec("subscribe_kv_events", None, None, supported=False),
+    # A stream (docs/design/protocol.md#kv-events): the server answers with one batch per
+    # credit; the client acks each batch or cancels with ``[uid, b"", b"ack"|b"cancel"]``.
+    OpSpec(
+        "subscribe_kv_events",
+        None,
+        _S,
+        (
+            Param("instance_id", int),
+            Param("model_name", str),
+            Param("cursor", int),
+            Param("max_events", int),
+        ),
+    ),
     OpSpec("server_module_call", None, None, supported=False),
     OpSpec("negotiate_features", None, _S, (Param("features", list[str]),)),
 )

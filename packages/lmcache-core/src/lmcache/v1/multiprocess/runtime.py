@@ -145,9 +145,9 @@ class ServerRuntime:
             "lmcache_mp_active_p2p_lookup_jobs",
             "lmcache_mp_event_bus_queue_depth",
             "lmcache_mp_event_bus_drain_lag_seconds",
-            "lmcache_mp_kv_events_log_depth",
         ):
             m.set(name, 0)
+        m.set("lmcache_mp_kv_events_log_depth", self.engine.kv_events_log_depth())
         status = self.storage.status()
         adapters = [a for a in status.get("l2_adapters") or [] if isinstance(a, dict)]
         draining = sum(1 for a in adapters if a.get("draining"))

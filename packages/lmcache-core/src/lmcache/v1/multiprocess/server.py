@@ -13,6 +13,9 @@ docs/design/protocol.md#server-threads, docs/design/protocol.md#framing:
   An AFFINITY op that is only bookkeeping (``CacheEngine.runs_inline``: the prepare/commit
   ops of the SHM path) runs inline when its slot has nothing queued, which keeps FIFO per
   slot and saves the two thread hand-offs of a pool op (a fifth of a 64 MiB store here).
+* Streams (``subscribe_kv_events``): the handler keeps its request context and sends
+  one reply frame per batch; the client's ``[uid, b"", b"ack"|b"cancel"]`` frames go to
+  ``CacheEngine.stream_control``.
 * Errors: old peers get 0.5.6's silence; peers that negotiated ``error_replies`` get
   ``ext(2, {code, message, retryable})``. Nothing a peer sends stops the loop.
 """
@@ -206,6 +209,10 @@ class MPCacheServer:
             )
             return
         uid_b, op_b = frames[1].bytes, frames[2].bytes
+        if op_b == P.STREAM_CONTROL_OP:  # [uid, b"", b"ack"|b"cancel"] of a stream
+            action = frames[3].bytes if len(frames) > 3 else b""
+            self.engine.stream_control(peer, uid_b, action)
+            return
         features = self._features.get(peer, _NO_FEATURES)
 
         def reply(value: Any) -> None:
@@ -262,7 +269,7 @@ class MPCacheServer:
             self._features[peer] = enabled
             reply(sorted(enabled))
             return
-        ctx = RequestContext(peer, features, reply)
+        ctx = RequestContext(peer, features, reply, uid_b)
         # Payloads are decoded where the op runs: a pool op's payload (up to a whole
         # request's KV on the copy path) never holds up the loop thread.
         task = (spec, ctx, payloads, uid_b, op_b)

@@ -108,6 +108,15 @@ class StorageBridge:
         self.l1: L1Store = storage_manager.get_l1_manager(0)  # the server has one L1
         self._clear_lock = threading.Lock()
 
+    def register_key_listener(self, listener: Any) -> bool:
+        """Subscribe ``listener`` (a ``StorageKeyListener``) to the keys every tier stores
+        and removes; False when this storage engine cannot report them."""
+        register = getattr(self.sm, "register_key_listener", None)
+        if register is None:
+            return False
+        register(listener)
+        return True
+
     # -- writes -------------------------------------------------------------
     def reserve_write(self, keys: list[ObjectKey], layout: MemoryLayoutDesc) -> ReserveOutcome:
         if not keys:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from lmcache.utils import init_logger
 from lmcache.v1.multiprocess import protocol as P
 from lmcache.v1.multiprocess.config import MPServerConfig
 from lmcache.v1.multiprocess.engine.host_copy import HostKVCopier
@@ -29,9 +30,14 @@ from lmcache.v1.multiprocess.engine.records import (
 )
 from lmcache.v1.multiprocess.engine.session_keys import SessionKeys
 from lmcache.v1.multiprocess.engine.write_path import WritePath
+from lmcache.v1.multiprocess.kv_event_publisher import KVEventsConfig, ZmqKVEventPublisher
+from lmcache.v1.multiprocess.kv_events import KVEventLog, KVEventStreams
 from lmcache.v1.multiprocess.metrics import ServerMetrics
+from lmcache.v1.multiprocess.protocol import ErrorCode, RequestError
 from lmcache.v1.multiprocess.storage_bridge import StorageBridge
 from lmcache.v1.platform.base.ipc_wrapper import dtype_name
+
+logger = init_logger(__name__)
 
 
 class CacheEngine:
@@ -75,6 +81,7 @@ class CacheEngine:
         self.instances: dict[int, Instance] = self.registry.instances
         self.sessions = self.session_keys.sessions
         self.features = list(P.SUPPORTED_FEATURES)
+        self.kv_events = self._build_kv_events(config)
         self.block_allocation_reports = 0
         keys, registry = self.session_keys, self.registry
         writes, reads = self.write_path, self.read_path
@@ -99,7 +106,8 @@ class CacheEngine:
             "ping": registry.ping,
             "report_block_allocation": self.report_block_allocation,
             "noop": lambda ctx: "OK",
-            "get_experimental": lambda ctx: list(self.features),
+            "get_experimental": lambda ctx: self.experimental(),
+            "subscribe_kv_events": self.subscribe_kv_events,
         }
 
     def runs_inline(self, op: str, args: list[Any]) -> bool:
@@ -116,11 +124,76 @@ class CacheEngine:
             return False
         return op != "commit_store" or len(args) < 3 or not args[2]
 
+    # ------------------------------------------------------------------ KV events
+    def _build_kv_events(self, config: MPServerConfig) -> KVEventStreams | None:
+        """The KV event log, fed by every storage tier and bound to each store's tokens,
+        and its streams (docs/design/protocol.md#kv-events); None when it is off."""
+        log = KVEventLog(config.kv_event_log_size, self.cs)
+        if not log.enabled:
+            return None
+        if not self.storage.register_key_listener(log):
+            logger.warning("this storage engine reports no stored keys: KV events are off")
+            return None
+        pub_config = KVEventsConfig.parse(config.kv_events_config)
+        publisher = ZmqKVEventPublisher(pub_config) if pub_config.enabled else None
+        streams = KVEventStreams(log, publisher)
+        self.session_keys.on_store = log.bind_tokens
+        self.registry.on_drop = streams.drop_instance
+        return streams
+
+    def experimental(self) -> list[str]:
+        """``get_experimental``: our negotiable features, plus 0.5.6's ``kv_event_stream``
+        capability while the KV event log is on."""
+        extra = [P.KV_EVENT_CAPABILITY] if self.kv_events is not None else []
+        return list(self.features) + extra
+
+    def subscribe_kv_events(
+        self,
+        ctx: RequestContext,
+        instance_id: int,
+        model_name: str,
+        cursor: int,
+        max_events: int,
+    ) -> Any:
+        """0.5.6's event stream: batches of ``model_name``'s records after ``cursor``, one
+        per ack; a server without the log answers one ``enabled=False`` batch and ends."""
+        if self.kv_events is None:
+            ctx.defer()
+            ctx.send(P.KVEventBatch(enabled=False, incarnation=0, next_cursor=0, lost=False))
+            ctx.send(None)
+            return None
+        try:
+            self.kv_events.subscribe(
+                (ctx.peer, ctx.uid), ctx.send, instance_id, model_name, cursor, max_events
+            )
+        except ValueError as exc:
+            raise RequestError(ErrorCode.INVALID_ARGUMENT, str(exc)) from exc
+        ctx.defer()
+        return None
+
+    def stream_control(self, peer: bytes, uid: bytes, action: bytes) -> None:
+        """A stream control frame (``ack``/``cancel``) of ``peer``'s stream ``uid``."""
+        if self.kv_events is not None:
+            self.kv_events.control((peer, uid), action)
+
+    def kv_events_status(self) -> dict[str, Any]:
+        """``/status``'s ``kv_events`` block (0.5.6's fields)."""
+        if self.kv_events is None:
+            return {"enabled": False}
+        return self.kv_events.log.status(self.kv_events.subscribers)
+
+    def kv_events_log_depth(self) -> int:
+        return 0 if self.kv_events is None else self.kv_events.log.depth
+
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
+        if self.kv_events is not None:
+            self.kv_events.start()
         self.janitor.start()
 
     def stop(self) -> None:
+        if self.kv_events is not None:
+            self.kv_events.stop()
         self.session_keys.stop()
         self.janitor.stop()
         self.copier.stop()

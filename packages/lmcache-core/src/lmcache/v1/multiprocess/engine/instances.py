@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -61,6 +62,8 @@ class InstanceRegistry:
         self.shm_disabled_reason = shm_disabled_reason
         self.instances: dict[int, Instance] = {}
         self._lock = threading.Lock()
+        # Told the id of a worker that left (unregistered, reaped, shutdown); not on re-register.
+        self.on_drop: Callable[[int], None] | None = None
 
     # ------------------------------------------------------------------ lookups of requests
     def require(self, instance_id: int, mode: str) -> Instance:
@@ -309,6 +312,8 @@ class InstanceRegistry:
         close_all(inst.wrappers)
         self.layouts.release(inst.layout_key)
         logger.info("Instance %d (%s) removed: %s", instance_id, inst.mode, reason)
+        if self.on_drop is not None and reason != "re-registered":
+            self.on_drop(instance_id)
         return inst
 
     def drop_all(self, reason: str) -> None:

@@ -39,9 +39,16 @@ BOOKKEEPING_OPS = frozenset(
 class RequestContext:
     """What a handler knows about its request, and how it replies later when parked."""
 
-    def __init__(self, peer: bytes, features: frozenset[str], reply: Callable[[Any], None]):
+    def __init__(
+        self,
+        peer: bytes,
+        features: frozenset[str],
+        reply: Callable[[Any], None],
+        uid: bytes = b"",
+    ):
         self.peer = peer
         self.features = features
+        self.uid = uid  # the request's uid frame: with ``peer``, the key of a stream
         self._reply = reply
         self._lock = threading.Lock()
         self._done = False
@@ -49,6 +56,10 @@ class RequestContext:
 
     def defer(self) -> None:
         self.deferred = True
+
+    def send(self, value: Any) -> None:
+        """One more reply frame of a stream (``subscribe_kv_events``); ``None`` ends it."""
+        self._reply(value)
 
     def reply(self, value: Any) -> bool:
         """Send the (deferred) reply once; later calls are ignored."""

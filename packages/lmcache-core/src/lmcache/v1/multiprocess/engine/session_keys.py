@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -58,6 +59,9 @@ class SessionKeys:
         # Reads of dropped workers whose lease is still running: (lease end, read)
         self._leased_reads: list[tuple[float, PendingRead]] = []
         self._leases_lock = threading.Lock()
+        # Told the tokens and hashes of each store (the KV event log binds them to chunks):
+        # (uint32 big-endian tokens of the prefix, chunk hashes, first chunk, end chunk).
+        self.on_store: Callable[[bytes, list[bytes], int, int], None] | None = None
 
     def stop(self) -> None:
         self._stopped.set()
@@ -75,9 +79,10 @@ class SessionKeys:
         except ValueError as exc:
             raise RequestError(ErrorCode.INVALID_ARGUMENT, str(exc)) from exc
 
-    def own_keys(self, key: P.IPCCacheServerKey) -> tuple[Session, list[Any]]:
+    def own_keys(self, key: P.IPCCacheServerKey, store: bool = False) -> tuple[Session, list[Any]]:
         """The session of a store or retrieve and the ObjectKeys of its chunks for the key's
-        own rank (``RequestError`` for a misaligned key or one without a worker_id)."""
+        own rank (``RequestError`` for a misaligned key or one without a worker_id). A
+        ``store`` also goes to ``on_store``."""
         self._validate(key, aligned=True)
         if key.worker_id is None:
             raise RequestError(
@@ -88,6 +93,8 @@ class SessionKeys:
         hashes = self._hashes(session, key, key.end)
         session.key_info = (key.model_name, key.world_size, key.cache_salt)
         first, last = key.start // self.cs, key.end // self.cs
+        if store and self.on_store is not None:
+            self.on_store(tokens_to_be_bytes(P.token_prefix(key, key.end)), hashes, first, last)
         return session, fan_out_keys(key, hashes, first, last, [key.worker_id])[0]
 
     # ------------------------------------------------------------------ lookup

@@ -74,7 +74,7 @@ class WritePath(EnginePath):
         self, ctx: RequestContext, key: P.IPCCacheServerKey, instance_id: int
     ) -> dict[str, Any]:
         inst = self.registry.require(instance_id, ENGINE_DRIVEN)
-        _session, keys = self.session_keys.own_keys(key)
+        _session, keys = self.session_keys.own_keys(key, store=True)
         self.metrics.inc("lmcache_mp_num_submitted_stores", device=HOST_DEVICE)
         res = self._reserve(inst, keys)
         rkey = (key.request_id, key.start, key.end)
@@ -170,7 +170,7 @@ class WritePath(EnginePath):
         inst = self.registry.lmcache_driven(instance_id, "lmcache_mp_num_submitted_stores")
         if inst is None:
             return (b"", False)
-        _session, keys = self.session_keys.own_keys(key)
+        _session, keys = self.session_keys.own_keys(key, store=True)
         blocks = chunk_blocks(self.cs, inst, block_ids, len(keys))
         if blocks is None:
             return (b"", False)

@@ -67,7 +67,7 @@ def _status(runtime: Any, sm: dict[str, Any]) -> dict[str, Any]:
         "hash_algorithm": cfg.hash_algorithm,
         **es,
         "storage_manager": sm,
-        "kv_events": {"enabled": False},  # no KV event stream (docs/compat.md)
+        "kv_events": engine.kv_events_status(),
         # ours (extensions): what the old /status showed at the top level
         "l1": {
             "memory_used_bytes": sm["l1_usage"][0],
