@@ -291,3 +291,17 @@ def test_tasks_submitted_after_close_fail_without_raising(h, device, adapters):
     assert not result.is_successful() and "closed" in result.error
     lid = a.submit_load_task([h.key(0)], [h.make_obj(10)])
     assert not a.query_load_result(lid).test(0)
+
+
+def test_a_partly_failed_store_says_which_keys_landed(h, tmp_path, adapters):
+    dev = tmp_path / "two.img"
+    with open(dev, "wb") as f:
+        f.truncate(META + 2 * SLOT + 100)
+    a = _build(_spec(dev), adapters)
+    keys = [h.key(i) for i in range(4)]
+    objs = [h.make_obj(1000, seed=0), h.make_obj(SLOT), h.make_obj(1000, seed=2)]
+    objs.append(h.make_obj(1000, seed=3))
+    res = h.store(a, keys, objs)  # key 1 is too big; key 3 finds no slot left
+    assert not res.is_successful()
+    assert res.landed_keys(keys) == [keys[0], keys[2]]
+    assert [h.lookup(a, [k]).test(0) for k in keys] == [True, False, True, False]

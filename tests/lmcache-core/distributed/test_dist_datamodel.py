@@ -177,3 +177,15 @@ def test_object_key_pickled_in_another_process_hashes_like_a_local_one():
     local = ObjectKey(b"\x01\x02", "model/x", 7, 0, "salt")
     assert remote == local and hash(remote) == hash(local)
     assert {local: "hit"}[remote] == "hit"
+
+
+def test_store_result_per_key_names_the_keys_that_landed():
+    from lmcache.v1.distributed.internal_api import L2StoreResult
+
+    keys = ["a", "b", "c"]
+    ok = L2StoreResult.per_key([True, True, True], 30)
+    assert ok.is_successful() and ok.bytes_transferred() == 30 and ok.landed_keys(keys) == keys
+    part = L2StoreResult.per_key([True, False, True], 20, error="b: disk full")
+    assert not part.is_successful() and part.error == "b: disk full"
+    assert part.landed_keys(keys) == ["a", "c"]
+    assert L2StoreResult.per_key([False, False, False], 0).landed_keys(keys) == []

@@ -60,6 +60,21 @@ class L2StoreResult(int):
         self.landed = landed
         return self
 
+    @classmethod
+    def per_key(
+        cls, stored: Sequence[bool], bytes_transferred: int = 0, error: str | None = None
+    ) -> L2StoreResult:
+        """The result of a task whose keys are written one by one: ``stored[i]`` says whether
+        ``keys[i]`` is stored. Success when all are; otherwise a failure whose ``landed``
+        names the keys that are."""
+        if all(stored):
+            return cls(True, bytes_transferred)
+        from lmcache.lmcache_native import Bitmap
+
+        landed = Bitmap(len(stored))
+        landed.batched_set(i for i, ok in enumerate(stored) if ok)
+        return cls(False, 0, error=error, landed=landed)
+
     def landed_keys(self, keys: Sequence[ObjectKey]) -> list[ObjectKey]:
         """The keys of the task (in order) that are stored after it: those ``landed`` marks,
         else all of them on success and none on failure."""

@@ -214,7 +214,7 @@ class FSL2Adapter(CompletionChannels, L2AdapterInterface):
             self._notify_keys_stored([k for k, _ in new], [n for _, n in new])
         if keys:
             batch.report_health(self._health, "store")
-        result = L2StoreResult(all(batch.ok), sum(n for _, n in new), error=batch.error)
+        result = L2StoreResult.per_key(batch.ok, sum(n for _, n in new), error=batch.error)
         self._store_channel.complete(batch.tid, result)
 
     # --- lookup and lock -----------------------------------------------------------------

@@ -351,14 +351,12 @@ class NixlStoreL2Adapter(CompletionChannels, L2AdapterInterface):
                     sizes.append(charged)
                 else:
                     self._pool.free(slots)
+            stored = [key in self._index for key in task.keys]  # written now or found there
         if task.items and ok:
             self._health.success()
         if new_keys:
             self._notify_keys_stored(new_keys, sizes)
-        success = ok and not task.rejected
-        self._store_channel.complete(
-            task.task_id, L2StoreResult(success, sum(sizes) if success else 0)
-        )
+        self._store_channel.complete(task.task_id, L2StoreResult.per_key(stored, sum(sizes)))
 
     def _finish_load(self, task: _Task, ok: bool) -> None:
         bm = Bitmap(len(task.keys))

@@ -307,6 +307,7 @@ class RawBlockL2Adapter(CompletionChannels, L2AdapterInterface):
     def _store(self, task_id: int, keys: list[ObjectKey], objects: list[Any]) -> None:
         geo = self._geo
         errors: list[str] = []
+        failed: set[ObjectKey] = set()
         todo: list[tuple[str, ObjectKey, Any, int, memoryview]] = []  # enc, key, obj, slot, view
         for key, obj in zip(keys, objects, strict=True):
             enc = layout.encode_key(key)
@@ -316,6 +317,7 @@ class RawBlockL2Adapter(CompletionChannels, L2AdapterInterface):
                     f"{enc}: {len(view)} bytes do not fit a slot ({geo.payload_capacity()} bytes "
                     "after the header); raise slot_bytes"
                 )
+                failed.add(key)
                 continue
             with self._lock:
                 if enc in self._index or enc in self._storing:
@@ -326,6 +328,7 @@ class RawBlockL2Adapter(CompletionChannels, L2AdapterInterface):
                         f"{enc}: no free slot (all {geo.max_slots} of {geo.slot_bytes} bytes in "
                         "use); configure an 'eviction' block or use a larger device"
                     )
+                    failed.add(key)
                     continue
                 self._storing.add(enc)
                 self._io_inflight += 1
@@ -362,6 +365,7 @@ class RawBlockL2Adapter(CompletionChannels, L2AdapterInterface):
                     new_keys.append(key)
                 else:
                     self._free.append(slot)
+                    failed.add(key)
                     errors.append(f"{enc}: {self._dev.last_error or 'write failed'}")
             self._last_io = time.monotonic()
         if todo and len(new_keys) == len(todo):
@@ -373,10 +377,10 @@ class RawBlockL2Adapter(CompletionChannels, L2AdapterInterface):
         sizes = [self._cfg.slot_bytes] * len(new_keys)
         if new_keys:
             self._notify_keys_stored(new_keys, sizes)
-        result = (
-            L2StoreResult(True, sum(sizes))
-            if not errors
-            else L2StoreResult(False, error=f"{len(errors)} of {len(keys)} keys: {errors[0]}")
+        result = L2StoreResult.per_key(
+            [key not in failed for key in keys],
+            sum(sizes),
+            error=f"{len(errors)} of {len(keys)} keys: {errors[0]}" if errors else None,
         )
         self._store_channel.complete(task_id, result)
 

@@ -245,7 +245,7 @@ class S3L2Adapter(CompletionChannels, L2AdapterInterface):
                     new_sizes.append(size)
         if new_keys:
             self._notify_keys_stored(new_keys, new_sizes)
-        self._store_channel.complete(task.tid, L2StoreResult(all(task.ok), sum(new_sizes)))
+        self._store_channel.complete(task.tid, L2StoreResult.per_key(task.ok, sum(new_sizes)))
 
     # --- lookup and lock ------------------------------------------------------------------
 
