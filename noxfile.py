@@ -319,6 +319,7 @@ print("lmcache.devices.cuda._C built; native ops:", ops.multi_layer_block_kv_tra
 
 # What tests/compat needs in our venv besides lmcache-core (the conformance tests run there).
 COMPAT_TEST_DEPS = ["pytest>=8", "httpx>=0.24"]
+COMPAT_L2_WHEELS = ["lmcache-fs", "lmcache-raw-block", "lmcache-valkey", "lmcache-mooncake"]
 
 
 @nox.session
@@ -364,6 +365,8 @@ def compat(session: nox.Session) -> None:
         "py-cpuinfo",
         # 0.5.6's raw_block L2 type (tests/compat/test_raw_block_compat.py)
         "lmcache-rust-raw-block-io>=0.5.7rc2",
+        # 0.5.6's valkey L2 type (tests/compat/test_valkey_compat.py)
+        "valkey-glide-sync==2.6.0",
     ]
     install_torch(session)
     session.install("--no-deps", "lmcache==0.5.6")
@@ -379,7 +382,8 @@ def compat(session: nox.Session) -> None:
         "install",
         "-q",
         str(CORE),
-        str(PACKAGES / "lmcache-raw-block"),
+        # the L2 types tests/compat checks against 0.5.6 (fs carries the serde tests)
+        *(str(PACKAGES / name) for name in COMPAT_L2_WHEELS),
         external=True,
     )
     session.run(py, "-m", "pip", "install", "-q", *COMPAT_TEST_DEPS, external=True)
