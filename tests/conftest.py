@@ -33,6 +33,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from testsupport.ports import free_port
@@ -190,3 +191,20 @@ def stop_process(pid: int, timeout: float = 10.0) -> None:
 def sigstop():
     """``sigstop(pid)``: SIGSTOP a process and wait until all its threads have stopped."""
     return stop_process
+
+
+@pytest.fixture
+def h() -> Any:
+    """The L2 adapter test helpers (``testsupport.l2.Helpers``)."""
+    from testsupport.l2 import Helpers
+
+    return Helpers
+
+
+@pytest.fixture
+def adapters() -> Iterator[list[Any]]:
+    """Collects adapters to close at teardown (closing twice is harmless)."""
+    made: list[Any] = []
+    yield made
+    for a in made:
+        a.close()

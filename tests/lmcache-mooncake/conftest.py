@@ -8,7 +8,6 @@ Mooncake's transfer engine listens on all interfaces for its handshake and data 
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
 import signal
@@ -54,22 +53,6 @@ def _mooncake_missing() -> str:
 
 MISSING = _mooncake_missing()
 needs_mooncake = pytest.mark.skipif(bool(MISSING), reason=MISSING)
-
-
-def _load_helpers() -> Any:
-    path = Path(__file__).resolve().parent.parent / "native" / "l2_helpers.py"
-    spec = importlib.util.spec_from_file_location("_lmcache_l2_test_helpers", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.Helpers
-
-
-Helpers = _load_helpers()
-
-
-@pytest.fixture
-def h() -> Any:
-    return Helpers
 
 
 class _Proc:
@@ -240,12 +223,3 @@ def mooncake() -> Any:
 def fresh_mooncake() -> Any:
     """A master of the test's own (for tests that kill it)."""
     yield from _running_cluster()
-
-
-@pytest.fixture
-def adapters():
-    """Collects adapters to close at teardown."""
-    made: list[Any] = []
-    yield made
-    for a in made:
-        a.close()

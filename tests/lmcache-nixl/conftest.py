@@ -3,30 +3,17 @@ OBJ against a moto S3 server on a free loopback port) and arena-backed memory ob
 
 from __future__ import annotations
 
-import importlib.util
 import uuid
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
+from testsupport.l2 import L2_HELPERS
 
 pytest.importorskip("lmcache.storage.nixl", reason="lmcache-nixl is not installed")
 
 PAGE = 4096
-
-
-def _load_helpers() -> Any:
-    path = Path(__file__).resolve().parent.parent / "native" / "l2_helpers.py"
-    spec = importlib.util.spec_from_file_location("_lmcache_l2_test_helpers", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-L2_HELPERS = _load_helpers()
-Helpers = L2_HELPERS.Helpers
 
 
 def _nixl_missing() -> str:
@@ -50,11 +37,6 @@ def nixl() -> None:
 
 
 @pytest.fixture
-def h() -> Any:
-    return Helpers
-
-
-@pytest.fixture
 def arena():
     """A real L1 allocator (4 MiB, 4096-byte pages) whose arena the adapters register."""
     from lmcache.v1.distributed.l1_memory import L1Allocator
@@ -70,15 +52,6 @@ def arena_obj(alloc: Any, nbytes: int, seed: int) -> Any:
     g = torch.Generator().manual_seed(seed)
     obj.tensor.copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g))
     return obj
-
-
-@pytest.fixture
-def adapters():
-    """Collects adapters to close at teardown."""
-    made: list[Any] = []
-    yield made
-    for a in made:
-        a.close()
 
 
 @pytest.fixture(scope="session")

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import logging
-from pathlib import Path
 from typing import Any
 
 import pytest
+from testsupport.l2 import Helpers
 
 pytest.importorskip("lmcache.storage.s3", reason="lmcache-s3 is not installed")
 pytest.importorskip("awscrt", reason="awscrt is not installed (pip install awscrt)")
@@ -21,17 +20,6 @@ logging.getLogger("werkzeug").setLevel(logging.ERROR)  # moto logs every request
 
 REGION = "us-east-1"
 CREDENTIALS = {"aws_access_key_id": "testing", "aws_secret_access_key": "testing"}
-
-
-def _load_helpers() -> Any:
-    path = Path(__file__).resolve().parent.parent / "native" / "l2_helpers.py"
-    spec = importlib.util.spec_from_file_location("_lmcache_l2_test_helpers", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.Helpers
-
-
-Helpers = _load_helpers()
 
 
 class MotoS3:
@@ -94,20 +82,6 @@ def start_moto():
 @pytest.fixture
 def bucket(moto: MotoS3) -> str:
     return moto.new_bucket()
-
-
-@pytest.fixture
-def h() -> Any:
-    return Helpers
-
-
-@pytest.fixture
-def adapters():
-    """Collects adapters to close at teardown."""
-    made: list[Any] = []
-    yield made
-    for a in made:
-        a.close()
 
 
 @pytest.fixture
