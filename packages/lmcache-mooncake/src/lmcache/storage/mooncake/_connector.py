@@ -24,8 +24,6 @@ Mooncake's per-key codes become per-key results:
 
 from __future__ import annotations
 
-import itertools
-import os
 import queue
 import threading
 from collections import Counter
@@ -36,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from lmcache.storage.mooncake.config import LANES
+from lmcache.v1.distributed.l2_adapters.api import PythonNativeConnector
 
 OK = 0
 NO_SPACE = -200
@@ -57,8 +56,6 @@ _MEANING = {
 
 #: Our op names (the bridge's) -> the lane that runs them (0.5.6's lane keys).
 OP_LANE = {"exists": "lookup", "get": "retrieve", "set": "store", "delete": "delete"}
-
-Completion = tuple[int, bool, str, list[bool] | None]
 
 
 def describe_code(code: int) -> str:
@@ -95,7 +92,7 @@ class _Stop:
     pass
 
 
-class MooncakeConnector:
+class MooncakeConnector(PythonNativeConnector):
     """Worker lanes over one ``MooncakeDistributedStore``; see the module docstring."""
 
     def __init__(
@@ -107,11 +104,7 @@ class MooncakeConnector:
     ) -> None:
         self._store = store
         self._on_close = on_close
-        self._fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-        self._done: list[Completion] = []
-        self._done_mu = threading.Lock()
-        self._ids = itertools.count(1)
-        self._ids_mu = threading.Lock()
+        self._open_completions()
         self._closed = False
         shared: queue.SimpleQueue[_Batch | _Stop] = queue.SimpleQueue()
         self._queues: dict[str, queue.SimpleQueue[_Batch | _Stop]] = {}
@@ -132,29 +125,8 @@ class MooncakeConnector:
 
     # --- native-connector contract ----------------------------------------------------------
 
-    def event_fd(self) -> int:
-        return self._fd
-
-    def submit_batch_get(self, keys: list[str], memoryviews: list[Any]) -> int:
-        return self._submit("get", keys, memoryviews)
-
-    def submit_batch_set(self, keys: list[str], memoryviews: list[Any]) -> int:
-        return self._submit("set", keys, memoryviews)
-
-    def submit_batch_exists(self, keys: list[str]) -> int:
-        return self._submit("exists", keys, None)
-
     def submit_batch_delete(self, keys: list[str]) -> int:
         return self._submit("delete", keys, None)
-
-    def drain_completions(self) -> list[Completion]:
-        try:
-            os.eventfd_read(self._fd)
-        except (BlockingIOError, OSError):
-            pass
-        with self._done_mu:
-            out, self._done = self._done, []
-        return out
 
     def close(self) -> None:
         """Stops the workers after their current batch (no buffer is touched afterwards), then
@@ -175,7 +147,7 @@ class MooncakeConnector:
             t.join()
         if self._on_close is not None:
             self._on_close()
-        os.close(self._fd)
+        self._close_completions()
 
     # --- submission and work ---------------------------------------------------------------
 
@@ -193,8 +165,7 @@ class MooncakeConnector:
                     raise RuntimeError(f"buffer {i} ({keys[i]}) is not C-contiguous")
                 ptrs.append(buffer_address(mv))
                 sizes.append(mv.nbytes)
-        with self._ids_mu:
-            fid = next(self._ids)
+        fid = self._next_future_id()
         self._queues[OP_LANE[op]].put(_Batch(fid, op, list(keys), ptrs, sizes))
         return fid
 
@@ -208,12 +179,7 @@ class MooncakeConnector:
             except Exception as exc:  # the client raised: every key of the batch fails
                 ok, error = False, f"{item.op} raised {type(exc).__name__}: {exc}"
                 results = [False] * len(item.keys)
-            with self._done_mu:  # set results too: which keys landed
-                self._done.append((item.future_id, ok, error, results))
-            try:
-                os.eventfd_write(self._fd, 1)
-            except OSError:
-                pass
+            self._complete(item.future_id, ok, error, results)  # set too: which keys landed
 
     def _run(self, b: _Batch) -> tuple[bool, str, list[bool]]:
         """``(batch ok, error text, per-key result)`` of one batch."""

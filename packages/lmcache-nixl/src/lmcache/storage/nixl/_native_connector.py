@@ -40,6 +40,7 @@ from lmcache.storage.nixl._health import Health
 from lmcache.storage.nixl._nixl_api import describe_error, new_agent
 from lmcache.storage.nixl.config import ADAPTER_PARAM_KEYS, is_true
 from lmcache.v1.distributed.l2_adapters.api import (
+    PythonNativeConnector,
     fsync_dir,
     object_key_to_filename,
     string_to_object_key,
@@ -66,8 +67,8 @@ class _Stop:
     pass
 
 
-class NixlConnector:
-    """Base of the FILE and OBJ connectors: workers, tiles, completions, the event fd."""
+class NixlConnector(PythonNativeConnector):
+    """Base of the FILE and OBJ connectors: workers and tiles over the shared completion half."""
 
     storage_type = ""
     supports_query = True
@@ -87,11 +88,7 @@ class NixlConnector:
         self.health = health
         self._agents = agents
         self._regs = [a.register_memory(arena.region(), mem_type="DRAM") for a in agents]
-        self._fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-        self._done: list[tuple[int, bool, str, list[bool] | None]] = []
-        self._done_mu = threading.Lock()
-        self._ids = itertools.count(1)
-        self._ids_mu = threading.Lock()
+        self._open_completions()
         self._tiles: queue.SimpleQueue[tuple[_Batch, int, int] | _Stop] = queue.SimpleQueue()
         self._closed = False
         self._threads = [
@@ -104,27 +101,6 @@ class NixlConnector:
             t.start()
 
     # --- native-connector contract ----------------------------------------------------------------
-
-    def event_fd(self) -> int:
-        return self._fd
-
-    def submit_batch_get(self, keys: list[str], memoryviews: list[Any]) -> int:
-        return self._submit("get", keys, memoryviews)
-
-    def submit_batch_set(self, keys: list[str], memoryviews: list[Any]) -> int:
-        return self._submit("set", keys, memoryviews)
-
-    def submit_batch_exists(self, keys: list[str]) -> int:
-        return self._submit("exists", keys, None)
-
-    def drain_completions(self) -> list[tuple[int, bool, str, list[bool] | None]]:
-        try:
-            os.eventfd_read(self._fd)
-        except (BlockingIOError, OSError):
-            pass
-        with self._done_mu:
-            out, self._done = self._done, []
-        return out
 
     def close(self) -> None:
         """Stops the workers after their current tile (no buffer is touched afterwards),
@@ -147,7 +123,7 @@ class NixlConnector:
             except Exception:
                 pass
         self._agents.clear()
-        os.close(self._fd)
+        self._close_completions()
 
     # --- submission -------------------------------------------------------------------------
 
@@ -165,16 +141,14 @@ class NixlConnector:
                 if not mv.c_contiguous:
                     raise RuntimeError(f"buffer {i} is not C-contiguous")
                 spans.append(self._span(mv))
-        with self._ids_mu:
-            fid = next(self._ids)
-        batch = _Batch(fid, op, list(keys), spans, results=[False] * len(keys))
+        batch = _Batch(self._next_future_id(), op, list(keys), spans, results=[False] * len(keys))
         tiles = min(len(self._threads), len(keys))
         per = -(-len(keys) // tiles)
         starts = list(range(0, len(keys), per))
         batch.remaining = len(starts)
         for s in starts:
             self._tiles.put((batch, s, min(len(keys), s + per)))
-        return fid
+        return batch.future_id
 
     def _span(self, mv: memoryview) -> tuple[int, int] | str:
         n = mv.nbytes
@@ -213,7 +187,7 @@ class NixlConnector:
                 batch.remaining -= 1
                 last = batch.remaining == 0
             if last:
-                self._complete(batch)
+                self._finish(batch)
 
     def _run_tile(self, agent: Any, batch: _Batch, start: int, end: int) -> None:
         if batch.op == "exists":
@@ -242,17 +216,12 @@ class NixlConnector:
                     backend=not isinstance(exc, BufferRejected),
                 )
 
-    def _complete(self, batch: _Batch) -> None:
+    def _finish(self, batch: _Batch) -> None:
         ok = not batch.error
         if ok and batch.op in ("set", "get"):
             self.health.success()
         results = None if batch.op == "set" else list(batch.results)
-        with self._done_mu:
-            self._done.append((batch.future_id, ok, batch.error, results))
-        try:
-            os.eventfd_write(self._fd, 1)
-        except OSError:
-            pass
+        self._complete(batch.future_id, ok, batch.error, results)
 
     # --- NIXL ------------------------------------------------------------------------------------
 

@@ -51,6 +51,8 @@ from lmcache.v1.distributed.l2_adapters.key_codec import (
 from lmcache.v1.distributed.l2_adapters.utils import (
     CompletionChannels,
     KeyLockTable,
+    NativeCompletion,
+    PythonNativeConnector,
     TaskIds,
     fsync_dir,
     record_unknown_keys,
@@ -119,7 +121,9 @@ __all__ = [
     "EventNotifier",
     "HealthTracker",
     "KeyLockTable",
+    "NativeCompletion",
     "NativeConnectorL2Adapter",
+    "PythonNativeConnector",
     "TaskIds",
     "create_event_notifier",
     "fsync_dir",

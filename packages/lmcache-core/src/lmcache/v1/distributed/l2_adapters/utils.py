@@ -1,5 +1,6 @@
 """Helpers shared by Python L2 adapters (core's and the storage wheels'): client-side L2 locks,
-task ids, and the completion channels behind the event-fd half of ``L2AdapterInterface``."""
+task ids, the completion channels behind the event-fd half of ``L2AdapterInterface``, and the
+completion half of a native connector written in Python."""
 
 from __future__ import annotations
 
@@ -239,3 +240,68 @@ class CompletionChannels:
     if TYPE_CHECKING:  # L2AdapterInterface's (listed after this mixin among the bases)
 
         def _notify_keys_accessed(self, keys: list[ObjectKey]) -> None: ...
+
+
+NativeCompletion = tuple[int, bool, str, list[bool] | None]
+"""One entry of ``drain_completions()``: ``(future id, ok, error text, per-key results)``."""
+
+
+class PythonNativeConnector:
+    """Base of native connectors written in Python (docs/design/storage-engine.md#native-contract),
+    driven by ``NativeConnectorL2Adapter`` like the compiled ones: the event fd, future ids,
+    ``drain_completions`` and the ``submit_batch_get/set/exists`` entry points. A subclass
+    implements ``_submit(op, keys, memoryviews or None)`` (returning ``_next_future_id()``), calls
+    ``_complete(...)`` from its workers once per batch, adds ``submit_batch_delete`` where its
+    storage can delete, and calls ``_close_completions()`` last in ``close()``."""
+
+    def _open_completions(self) -> None:
+        self._completion_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._completed: list[NativeCompletion] = []
+        self._completed_mu = threading.Lock()
+        self._future_ids = TaskIds()
+
+    def _close_completions(self) -> None:
+        os.close(self._completion_fd)
+
+    def _next_future_id(self) -> int:
+        return self._future_ids.next()
+
+    def _complete(self, future_id: int, ok: bool, error: str, results: list[bool] | None) -> None:
+        """Publish one batch's completion, then wake the bridge (in that order)."""
+        with self._completed_mu:
+            self._completed.append((future_id, ok, error, results))
+        try:
+            os.eventfd_write(self._completion_fd, 1)
+        except OSError:  # closed under us: nobody is waiting any more
+            pass
+
+    def _submit(self, op: str, keys: list[str], views: list[Any] | None) -> int:
+        raise NotImplementedError
+
+    # --- the native-connector contract ---------------------------------------------------
+
+    def event_fd(self) -> int:
+        """The fd that becomes readable when a batch completed."""
+        return self._completion_fd
+
+    def submit_batch_get(self, keys: list[str], memoryviews: list[Any]) -> int:
+        """Read each key's value into its buffer; returns the batch's future id."""
+        return self._submit("get", keys, memoryviews)
+
+    def submit_batch_set(self, keys: list[str], memoryviews: list[Any]) -> int:
+        """Write each buffer under its key; returns the batch's future id."""
+        return self._submit("set", keys, memoryviews)
+
+    def submit_batch_exists(self, keys: list[str]) -> int:
+        """Ask which keys exist; returns the batch's future id."""
+        return self._submit("exists", keys, None)
+
+    def drain_completions(self) -> list[NativeCompletion]:
+        """Every completion published since the last call, each exactly once."""
+        try:
+            os.eventfd_read(self._completion_fd)
+        except (BlockingIOError, OSError):
+            pass
+        with self._completed_mu:
+            out, self._completed = self._completed, []
+        return out
