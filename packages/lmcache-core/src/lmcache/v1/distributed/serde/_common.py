@@ -24,6 +24,14 @@ def group_tensors(obj: MemoryObj) -> list[torch.Tensor]:
     return out
 
 
+def byte_tensor(obj: MemoryObj, serde: str) -> torch.Tensor:
+    """A byte buffer object's data as a flat uint8 tensor (a view: writes land in ``obj``)."""
+    t = obj.tensor
+    if t is None:
+        raise ValueError(f"{serde} serde: the byte buffer has no tensor")
+    return t.reshape(-1).view(torch.uint8) if t.dtype != torch.uint8 else t.reshape(-1)
+
+
 def byte_view(obj: MemoryObj) -> memoryview:
     """``obj``'s logical bytes as a writable, flat ``B`` memoryview."""
     return memoryview(obj.byte_array).cast("B")

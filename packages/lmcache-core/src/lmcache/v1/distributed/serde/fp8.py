@@ -13,7 +13,12 @@ import functools
 import torch
 
 from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey
-from lmcache.v1.distributed.serde._common import check_options, group_tensors, int_option
+from lmcache.v1.distributed.serde._common import (
+    byte_tensor,
+    check_options,
+    group_tensors,
+    int_option,
+)
 from lmcache.v1.distributed.serde.async_processor import AsyncSerdeProcessor
 from lmcache.v1.distributed.serde.base import (
     Deserializer,
@@ -27,13 +32,6 @@ from lmcache.v1.memory_management import MemoryObj
 __all__ = ["Fp8QuantizationDeserializer", "Fp8QuantizationSerializer"]
 
 
-def _byte_tensor(obj: MemoryObj) -> torch.Tensor:
-    t = obj.tensor
-    if t is None:
-        raise ValueError("fp8 serde: the byte buffer has no tensor")
-    return t.reshape(-1).view(torch.uint8) if t.dtype != torch.uint8 else t.reshape(-1)
-
-
 class Fp8QuantizationSerializer(Serializer):
     """Each element cast to one fp8 byte (0.5.6's bytes)."""
 
@@ -41,7 +39,7 @@ class Fp8QuantizationSerializer(Serializer):
         self._fp8_dtype = fp8_dtype
 
     def serialize(self, src: MemoryObj, dst: MemoryObj, key: ObjectKey) -> int:
-        out = _byte_tensor(dst)
+        out = byte_tensor(dst, "fp8")
         off = 0
         for t in group_tensors(src):
             q = t.to(self._fp8_dtype).contiguous().view(torch.uint8).reshape(-1)
@@ -67,7 +65,7 @@ class Fp8QuantizationDeserializer(Deserializer):
         self._fp8_dtype = fp8_dtype
 
     def deserialize(self, src: MemoryObj, dst: MemoryObj, key: ObjectKey) -> None:
-        data = _byte_tensor(src)
+        data = byte_tensor(src, "fp8")
         groups = group_tensors(dst)
         need = sum(t.numel() for t in groups)
         if data.numel() < need:
