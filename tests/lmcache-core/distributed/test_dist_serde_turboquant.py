@@ -102,8 +102,7 @@ def test_skipped_layers_are_stored_raw_and_come_back_exactly():
 @pytest.mark.parametrize(
     ("preset", "key_err", "value_err"),
     # relative RMS error bounds (keys/values), measured 0.027/0.089, 0.095/0.089,
-    # 0.181/0.089, 0.181/0.192 on
-    # Gaussian data, with margin
+    # 0.181/0.089, 0.181/0.192 on Gaussian data, with margin
     [
         ("turboquant_k8v4", 0.05, 0.15),
         ("turboquant_4bit_nc", 0.15, 0.15),
