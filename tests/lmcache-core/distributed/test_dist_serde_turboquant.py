@@ -115,6 +115,7 @@ def test_round_trip_error_is_bounded(preset, key_err, value_err, dtype):
     cfg = TurboQuantSerdeConfig(preset=preset, head_dim=64, skip_first_layers=0, skip_last_layers=0)
     t = source(dtype)
     back = decode(cfg, encode(cfg, t), t).float()
+    assert torch.equal(t, source(dtype))  # the source is left alone
     for i, bound in ((0, key_err), (1, value_err)):
         err = (back[i] - t[i].float()).pow(2).mean().sqrt() / t[i].float().pow(2).mean().sqrt()
         assert err < bound, (i, err)

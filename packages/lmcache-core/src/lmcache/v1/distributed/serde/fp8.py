@@ -8,14 +8,13 @@ Options: ``fp8_dtype`` (a torch float8 dtype name), ``max_workers`` (pool size, 
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey
 from lmcache.v1.distributed.serde._common import (
     byte_tensor,
     check_options,
+    fp8_decode_table,
     group_tensors,
     int_option,
 )
@@ -51,13 +50,6 @@ class Fp8QuantizationSerializer(Serializer):
         return sum(torch.Size(s).numel() for s in layout_desc.shapes)  # exact: 1 byte each
 
 
-@functools.lru_cache(maxsize=32)
-def _decode_table(fp8_dtype: torch.dtype, dtype: torch.dtype) -> torch.Tensor:
-    """The 256 fp8 byte values cast to ``dtype``: decoding is a lookup, bit-identical to the
-    cast and about 20x faster on a CPU than torch's fp8 cast."""
-    return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(fp8_dtype).to(dtype)
-
-
 class Fp8QuantizationDeserializer(Deserializer):
     """fp8 bytes cast back to the destination's dtype."""
 
@@ -73,7 +65,7 @@ class Fp8QuantizationDeserializer(Deserializer):
         off = 0
         for t in groups:
             idx = data[off : off + t.numel()].to(torch.int32)
-            table = _decode_table(self._fp8_dtype, t.dtype)
+            table = fp8_decode_table(self._fp8_dtype, t.dtype)
             if t.is_contiguous():
                 torch.index_select(table, 0, idx, out=t.view(-1))
             else:

@@ -39,6 +39,7 @@ from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey
 from lmcache.v1.distributed.serde._common import (
     byte_tensor,
     check_options,
+    fp8_decode_table,
     group_tensors,
     int_option,
 )
@@ -195,7 +196,6 @@ def _geometry(shape: torch.Size | tuple[int, ...], dtype: torch.dtype, cfg: Turb
 # -- the per-layer rotation and the key codebook (part of the format) ------------------------
 
 
-@functools.lru_cache(maxsize=256)
 def _rotation(head_dim: int, layer: int) -> torch.Tensor:
     """Layer ``layer``'s orthonormal rotation ``R`` (keys are stored as ``k @ R``): the
     normalized Sylvester Hadamard matrix with row ``i`` negated where a seeded coin says so
@@ -206,6 +206,12 @@ def _rotation(head_dim: int, layer: int) -> torch.Tensor:
     while h.shape[0] < head_dim:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
     return (signs[:, None] * (h / math.sqrt(head_dim))).contiguous()
+
+
+@functools.lru_cache(maxsize=64)
+def _rotations(head_dim: int, first: int, count: int) -> torch.Tensor:
+    """``[count, D, D]``: the rotations of layers ``first .. first + count - 1``."""
+    return torch.stack([_rotation(head_dim, layer) for layer in range(first, first + count)])
 
 
 @functools.lru_cache(maxsize=32)
@@ -270,13 +276,13 @@ def _pack(indices: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def _unpack(data: torch.Tensor, bits: int) -> torch.Tensor:
-    """``_pack``'s inverse: ``[..., m]`` uint8 -> ``[..., m * 8 / bits]`` int64 indices."""
+    """``_pack``'s inverse: ``[..., m]`` uint8 -> ``[..., m * 8 / bits]`` int32 indices."""
     groups = data.to(torch.int32).reshape(*data.shape[:-1], -1, bits)
     byte_shifts = torch.arange(0, 8 * bits, 8, dtype=torch.int32, device=data.device)
     word = (groups << byte_shifts).sum(-1, dtype=torch.int32)
     shifts = torch.arange(0, 8 * bits, bits, dtype=torch.int32, device=data.device)
     out = (word.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
-    return out.reshape(*data.shape[:-1], -1).long()
+    return out.reshape(*data.shape[:-1], -1)
 
 
 def _fp16_bytes(x: torch.Tensor) -> torch.Tensor:
@@ -294,62 +300,58 @@ def _raw_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().reshape(-1).view(torch.uint8)
 
 
-# -- one quantized layer ---------------------------------------------------------------------
+# -- the quantized layers, all at once: [layers, tokens * heads, head_dim] -------------------
 
 
 def _quantize_values(v: torch.Tensor, bits: int) -> torch.Tensor:
-    """``[N, D]`` float32 -> ``[N, value_packed_size]`` bytes."""
+    """``[..., D]`` float32 (overwritten) -> ``[..., value_packed_size]`` bytes."""
     top = float((1 << bits) - 1)
     vmin = v.amin(-1, keepdim=True)
     scale = (v.amax(-1, keepdim=True) - vmin) / top
     scale = torch.where(scale > 1e-8, scale, torch.full_like(scale, 1e-8))
-    q = ((v - vmin) / scale + 0.5).to(torch.int32).clamp(0, int(top))
-    return torch.cat([_pack(q, bits), _fp16_bytes(scale[:, 0]), _fp16_bytes(vmin[:, 0])], -1)
+    q = v.sub_(vmin).div_(scale).add_(0.5).to(torch.int32).clamp_(0, int(top))
+    return torch.cat([_pack(q, bits), _fp16_bytes(scale[..., 0]), _fp16_bytes(vmin[..., 0])], -1)
 
 
 def _dequantize_values(data: torch.Tensor, cfg: TurboQuantSerdeConfig) -> torch.Tensor:
-    """``_quantize_values``'s bytes -> fp16 ``[N, D]``."""
+    """``_quantize_values``'s bytes -> fp16 ``[..., D]``."""
     n = cfg.value_data_bytes
-    q = _unpack(data[:, :n], cfg.value_bits).float()
-    scale = _fp16_from(data[:, n : n + 2]).unsqueeze(-1)
-    vmin = _fp16_from(data[:, n + 2 : n + 4]).unsqueeze(-1)
+    q = _unpack(data[..., :n], cfg.value_bits).float()
+    scale = _fp16_from(data[..., n : n + 2]).unsqueeze(-1)
+    vmin = _fp16_from(data[..., n + 2 : n + 4]).unsqueeze(-1)
     return (q * scale + vmin).to(torch.float16)
 
 
-def _quantize_keys(k: torch.Tensor, cfg: TurboQuantSerdeConfig, layer: int) -> torch.Tensor:
-    """``[N, D]`` keys in the object's dtype -> ``[N, key_packed_size]`` bytes."""
+def _quantize_keys(k: torch.Tensor, cfg: TurboQuantSerdeConfig, first: int) -> torch.Tensor:
+    """Keys ``[layers, N, D]`` (layer ``first`` onwards) in the object's dtype ->
+    ``[layers, N, key_packed_size]`` bytes."""
     if cfg.key_fp8:
         fp8 = k.float().clamp(-_FP8_MAX, _FP8_MAX).to(torch.float8_e4m3fn)
         return fp8.view(torch.uint8)
     kf = k.float()
-    norms = kf.norm(dim=1, keepdim=True)
-    rotated = (kf / (norms + 1e-8)) @ _rotation(cfg.head_dim, layer).to(k.device)
+    norms = kf.norm(dim=-1, keepdim=True)
+    rotations = _rotations(cfg.head_dim, first, k.shape[0]).to(k.device)
+    rotated = torch.matmul(kf / (norms + 1e-8), rotations)
     bounds = _codebook(cfg.head_dim, cfg.key_bits)[1].to(k.device)
-    indices = (rotated.unsqueeze(-1) >= bounds).sum(-1)  # cell index: bounds at or below
-    return torch.cat([_pack(indices, cfg.key_bits), _fp16_bytes(norms[:, 0])], -1)
+    # the cell: how many bounds are at or below (none for NaN, as 0.5.6's comparisons)
+    indices = torch.bucketize(rotated, bounds, right=True).masked_fill_(rotated.isnan(), 0)
+    return torch.cat([_pack(indices, cfg.key_bits), _fp16_bytes(norms[..., 0])], -1)
 
 
-def _dequantize_keys(
-    data: torch.Tensor, cfg: TurboQuantSerdeConfig, layer: int, tokens: int, heads: int
-) -> torch.Tensor:
-    """``_quantize_keys``'s bytes ``[tokens * heads, ...]`` -> fp16 ``[tokens, heads, D]``."""
+def _dequantize_keys(data: torch.Tensor, cfg: TurboQuantSerdeConfig, first: int) -> torch.Tensor:
+    """``_quantize_keys``'s bytes ``[layers, N, ...]`` -> fp16 ``[layers, N, D]``."""
     d = cfg.head_dim
     if cfg.key_fp8:
-        return (
-            data[:, :d]
-            .contiguous()
-            .view(torch.float8_e4m3fn)
-            .to(torch.float16)
-            .view(tokens, heads, d)
-        )
+        table = fp8_decode_table(torch.float8_e4m3fn, torch.float16).to(data.device)
+        return table[data[..., :d].to(torch.int32)]
     n = cfg.key_index_bytes
     centroids = _codebook(d, cfg.key_bits)[0].to(data.device)
-    unit = centroids[_unpack(data[:, :n], cfg.key_bits)]
+    unit = centroids[_unpack(data[..., :n], cfg.key_bits)]
     if cfg.norm_correction:
         unit = unit * (1.0 / torch.sqrt(_pairwise_sum(unit * unit) + 1e-16))
-    k16 = (_fp16_from(data[:, n : n + 2]).unsqueeze(-1) * unit).to(torch.float16)
-    back = _rotation(d, layer).to(data.device).T.contiguous()
-    return torch.matmul(k16.view(tokens, heads, d).float(), back).to(torch.float16)
+    k16 = (_fp16_from(data[..., n : n + 2]).unsqueeze(-1) * unit).to(torch.float16)
+    back = _rotations(d, first, data.shape[0]).to(data.device).transpose(1, 2).contiguous()
+    return torch.matmul(k16.float(), back).to(torch.float16)
 
 
 def _pairwise_sum(x: torch.Tensor) -> torch.Tensor:
@@ -401,16 +403,19 @@ class TurboQuantSerializer(Serializer):
         cfg = self._cfg
         if g.first:
             yield _raw_bytes(t[:, : g.first])
-        n = g.tokens * g.heads
-        for layer in range(g.first, g.end):
-            keys = t[0, layer].reshape(n, cfg.head_dim)
-            values = t[1, layer].reshape(n, cfg.head_dim).float()
-            slots = torch.zeros(
-                g.token_slots * g.heads, cfg.slot_size, dtype=torch.uint8, device=t.device
+        if g.end > g.first:
+            n, count, kps = g.tokens * g.heads, g.end - g.first, cfg.key_packed_size
+            keys = t[0, g.first : g.end].reshape(count, n, cfg.head_dim)
+            values = (
+                t[1, g.first : g.end].reshape(count, n, cfg.head_dim).to(torch.float32, copy=True)
             )
-            slots[:n, : cfg.key_packed_size] = _quantize_keys(keys, cfg, layer)
-            kps = cfg.key_packed_size
-            slots[:n, kps : kps + cfg.value_packed_size] = _quantize_values(values, cfg.value_bits)
+            slots = torch.zeros(
+                count, g.token_slots * g.heads, cfg.slot_size, dtype=torch.uint8, device=t.device
+            )
+            slots[:, :n, :kps] = _quantize_keys(keys, cfg, g.first)
+            slots[:, :n, kps : kps + cfg.value_packed_size] = _quantize_values(
+                values, cfg.value_bits
+            )
             yield slots.reshape(-1)
         if g.end < g.layers:
             yield _raw_bytes(t[:, g.end :])
@@ -453,16 +458,17 @@ class TurboQuantDeserializer(Deserializer):
 
         if g.first:
             raw(0, g.first)
-        n = g.tokens * g.heads
-        hidden = g.heads * cfg.head_dim
-        kps = cfg.key_packed_size
-        for layer in range(g.first, g.end):
-            slots = data[off : off + g.quant_layer_bytes].view(-1, cfg.slot_size)[:n]
-            keys = _dequantize_keys(slots[:, :kps], cfg, layer, g.tokens, g.heads)
-            values = _dequantize_values(slots[:, kps : kps + cfg.value_packed_size], cfg)
-            t[0, layer].copy_(keys.view(g.tokens, hidden))
-            t[1, layer].copy_(values.view(g.tokens, hidden))
-            off += g.quant_layer_bytes
+        if g.end > g.first:
+            n, count, kps = g.tokens * g.heads, g.end - g.first, cfg.key_packed_size
+            nbytes = count * g.quant_layer_bytes
+            slots = data[off : off + nbytes].view(count, -1, cfg.slot_size)[:, :n]
+            shape = (count, g.tokens, g.heads * cfg.head_dim)
+            t[0, g.first : g.end].copy_(
+                _dequantize_keys(slots[..., :kps], cfg, g.first).view(shape)
+            )
+            values = _dequantize_values(slots[..., kps : kps + cfg.value_packed_size], cfg)
+            t[1, g.first : g.end].copy_(values.view(shape))
+            off += nbytes
         if g.end < g.layers:
             raw(g.end, g.layers)
 
