@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -166,7 +167,9 @@ class _Geometry:
         )
 
 
-def _geometry(shape: torch.Size | tuple[int, ...], dtype: torch.dtype, cfg: TurboQuantSerdeConfig):
+def _geometry(
+    shape: torch.Size | tuple[int, ...], dtype: torch.dtype, cfg: TurboQuantSerdeConfig
+) -> _Geometry:
     if len(shape) != 4 or int(shape[0]) != 2:
         raise ValueError(
             f"turboquant serde: a KV object must be [2, layers, tokens, hidden], got "
@@ -231,7 +234,7 @@ def _codebook(head_dim: int, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     def first_moment(x: float) -> float:
         return x * density(x)
 
-    def trapezoid(f, a: float, b: float, pieces: int = 200) -> float:
+    def trapezoid(f: Callable[[float], float], a: float, b: float, pieces: int = 200) -> float:
         step = (b - a) / pieces
         acc = 0.5 * (f(a) + f(b))
         for i in range(1, pieces):
@@ -375,7 +378,9 @@ def _pairwise_sum(x: torch.Tensor) -> torch.Tensor:
 # -- serializer / deserializer ---------------------------------------------------------------
 
 
-def _group_nbytes(shape, dtype: torch.dtype, cfg: TurboQuantSerdeConfig) -> int:
+def _group_nbytes(
+    shape: torch.Size | tuple[int, ...], dtype: torch.dtype, cfg: TurboQuantSerdeConfig
+) -> int:
     return _geometry(torch.Size(shape), dtype, cfg).nbytes
 
 
@@ -399,7 +404,7 @@ class TurboQuantSerializer(Serializer):
                 off += part.numel()
         return off
 
-    def _parts(self, t: torch.Tensor, g: _Geometry):
+    def _parts(self, t: torch.Tensor, g: _Geometry) -> Iterator[torch.Tensor]:
         cfg = self._cfg
         if g.first:
             yield _raw_bytes(t[:, : g.first])
@@ -475,13 +480,13 @@ class TurboQuantDeserializer(Deserializer):
 
 def _create_turboquant_serde(kwargs: dict[str, object]) -> SerdeProcessor:
     check_options("turboquant", kwargs, set(TurboQuantSerdeConfig.OPTIONS) | {"max_workers"})
-    defaults = TurboQuantSerdeConfig()
+    d = TurboQuantSerdeConfig()  # the defaults
     cfg = TurboQuantSerdeConfig(
-        preset=str(kwargs.get("preset", defaults.preset)),
-        **{
-            name: int_option(kwargs, name, getattr(defaults, name))
-            for name in ("head_dim", "block_size", "skip_first_layers", "skip_last_layers")
-        },
+        preset=str(kwargs.get("preset", d.preset)),
+        head_dim=int_option(kwargs, "head_dim", d.head_dim),
+        block_size=int_option(kwargs, "block_size", d.block_size),
+        skip_first_layers=int_option(kwargs, "skip_first_layers", d.skip_first_layers),
+        skip_last_layers=int_option(kwargs, "skip_last_layers", d.skip_last_layers),
     )
     return AsyncSerdeProcessor(
         TurboQuantSerializer(cfg),
