@@ -270,6 +270,9 @@ def _codebook(head_dim: int, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _pack(indices: torch.Tensor, bits: int) -> torch.Tensor:
     """``[..., n]`` integer indices below ``2**bits`` -> ``[..., n * bits / 8]`` uint8."""
+    if bits == 4:  # the same bytes, by nibbles: the low one first
+        q = indices.to(torch.uint8)
+        return q[..., 0::2] | (q[..., 1::2] << 4)
     groups = indices.to(torch.int32).reshape(*indices.shape[:-1], -1, 8)
     shifts = torch.arange(0, 8 * bits, bits, dtype=torch.int32, device=indices.device)
     word = (groups << shifts).sum(-1, dtype=torch.int32)
@@ -279,7 +282,9 @@ def _pack(indices: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def _unpack(data: torch.Tensor, bits: int) -> torch.Tensor:
-    """``_pack``'s inverse: ``[..., m]`` uint8 -> ``[..., m * 8 / bits]`` int32 indices."""
+    """``_pack``'s inverse: ``[..., m]`` uint8 -> ``[..., m * 8 / bits]`` integer indices."""
+    if bits == 4:
+        return torch.stack([data & 0xF, data >> 4], -1).reshape(*data.shape[:-1], -1)
     groups = data.to(torch.int32).reshape(*data.shape[:-1], -1, bits)
     byte_shifts = torch.arange(0, 8 * bits, 8, dtype=torch.int32, device=data.device)
     word = (groups << byte_shifts).sum(-1, dtype=torch.int32)
@@ -349,7 +354,7 @@ def _dequantize_keys(data: torch.Tensor, cfg: TurboQuantSerdeConfig, first: int)
         return table[data[..., :d].to(torch.int32)]
     n = cfg.key_index_bytes
     centroids = _codebook(d, cfg.key_bits)[0].to(data.device)
-    unit = centroids[_unpack(data[..., :n], cfg.key_bits)]
+    unit = centroids[_unpack(data[..., :n], cfg.key_bits).int()]
     if cfg.norm_correction:
         unit = unit * (1.0 / torch.sqrt(_pairwise_sum(unit * unit) + 1e-16))
     k16 = (_fp16_from(data[..., n : n + 2]).unsqueeze(-1) * unit).to(torch.float16)
