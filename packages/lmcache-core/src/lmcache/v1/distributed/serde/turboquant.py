@@ -104,18 +104,22 @@ class TurboQuantSerdeConfig:
 
     @property
     def key_bits(self) -> int:
+        """Bits per key element (8: fp8 keys, else codebook indices)."""
         return TQ_PRESETS[self.preset][0]
 
     @property
     def value_bits(self) -> int:
+        """Bits per value element."""
         return TQ_PRESETS[self.preset][1]
 
     @property
     def norm_correction(self) -> bool:
+        """Whether decoding renormalizes the key centroids to unit length."""
         return TQ_PRESETS[self.preset][2]
 
     @property
     def key_fp8(self) -> bool:
+        """Whether keys are stored as fp8 bytes."""
         return self.key_bits == 8
 
     @property
@@ -125,14 +129,17 @@ class TurboQuantSerdeConfig:
 
     @property
     def key_packed_size(self) -> int:
+        """Bytes of one head's key part (element data, then the fp16 norm for codebook keys)."""
         return self.key_index_bytes + (0 if self.key_fp8 else 2)  # + fp16 norm
 
     @property
     def value_data_bytes(self) -> int:
+        """Bytes of one head's packed value indices."""
         return self.head_dim * self.value_bits // 8
 
     @property
     def value_packed_size(self) -> int:
+        """Bytes of one head's value part (packed indices, fp16 scale, fp16 min)."""
         return self.value_data_bytes + 4  # + fp16 scale, fp16 min
 
     @property
