@@ -367,6 +367,9 @@ def compat(session: nox.Session) -> None:
         "lmcache-rust-raw-block-io>=0.5.7rc2",
         # 0.5.6's valkey L2 type (tests/compat/test_valkey_compat.py)
         "valkey-glide-sync==2.6.0",
+        # 0.5.6's turboquant serde: Triton kernels, run on the CPU by Triton's interpreter
+        # (tests/compat/test_turboquant_compat.py)
+        "triton>=3",
     ]
     install_torch(session)
     session.install("--no-deps", "lmcache==0.5.6")

@@ -10,6 +10,12 @@ gives ``{"stored": bool}``, a load writes DIR/loaded.bin and gives ``{"hits": [b
 
 The objects are deterministic (seeded bfloat16, KV-like values), so both sides build the same
 source; ``*.bin`` hold each object's bytes in key order.
+
+0.5.6's ``turboquant`` serde runs Triton kernels on CUDA only. With ``TRITON_INTERPRET=1``
+(tests/compat/test_turboquant_compat.py sets it for 0.5.6's side) this driver runs them on
+the CPU through Triton's interpreter: ``cpu_shim_for_056_turboquant`` makes 0.5.6's device
+choice answer "cpu" and its fp8 format e4m3 (``float8e4nv``, what 0.5.6 uses on SM89+ GPUs).
+A test-harness shim only; nothing of it is in our package.
 """
 
 from __future__ import annotations
@@ -56,6 +62,19 @@ def keys() -> list[ObjectKey]:
 def source() -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(1234)
     return [torch.randn(LAYOUT.shapes[0], generator=gen).to(torch.bfloat16) for _ in range(N)]
+
+
+def cpu_shim_for_056_turboquant() -> None:
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    try:
+        from lmcache.v1.distributed.serde.turboquant import decode_kernel, turboquant
+    except ImportError:  # ours: a module, not 0.5.6's package of kernels
+        return
+    turboquant._select_cuda_device = lambda *args: torch.device("cpu")
+    decode_kernel._FP8_E4B15[0] = 0
 
 
 def build(spec: str):
@@ -115,6 +134,7 @@ def step(op: str, spec: str, out: Path) -> dict:
 
 def main() -> int:
     steps = json.loads(sys.argv[1])
+    cpu_shim_for_056_turboquant()
     results = [step(s["op"], json.dumps(s["spec"]), Path(s["out"])) for s in steps]
     print(json.dumps(results))
     return 0

@@ -7,36 +7,11 @@ venv. Needs LMCACHE_COMPAT_VENV (see conftest.py).
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-
-DRIVER = Path(__file__).with_name("serde_fs_driver.py")
-SIDES = ("theirs", "ours")
-
-
-def drive(venvs, side: str, *steps: tuple[str, dict, Path]) -> list[dict]:
-    """Run ``(op, adapter spec, out dir)`` steps in one process of ``side``'s venv."""
-    env = {**os.environ, "LMCACHE_TRACK_USAGE": "false"}
-    if side == "theirs":  # a PYTHONPATH naming our sources would shadow 0.5.6's
-        env.pop("PYTHONPATH", None)
-        python = str(venvs["theirs"] / "bin" / "python")
-    else:
-        python = sys.executable
-    arg = json.dumps([{"op": op, "spec": spec, "out": str(out)} for op, spec, out in steps])
-    proc = subprocess.run(
-        [python, str(DRIVER), arg], capture_output=True, text=True, env=env, timeout=300
-    )
-    assert proc.returncode == 0, (side, steps, proc.stderr[-3000:])
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-def files(base: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(base.iterdir()) if p.suffix == ".data"}
+from testsupport.serde_compat import ALL_HITS, NO_HITS, SIDES, drive, files
 
 
 @pytest.fixture
@@ -45,10 +20,6 @@ def master_keys(tmp_path):
     good.write_bytes(os.urandom(32))
     other.write_bytes(os.urandom(32))
     return good, other
-
-
-ALL_HITS = {"hits": [True] * 4}
-NO_HITS = {"hits": [False] * 4}
 
 
 @pytest.mark.parametrize("writer", SIDES)

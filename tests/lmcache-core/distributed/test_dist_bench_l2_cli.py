@@ -258,3 +258,16 @@ def test_format_is_checked_by_argparse(capsys):
     with pytest.raises(SystemExit) as exc:
         _bench("--format", "xml")
     assert exc.value.code == 2 and "invalid choice: 'xml'" in capsys.readouterr().err
+
+
+def test_turboquant_runs_on_kv_shaped_objects(capsys):
+    """With a serde the objects are KV-shaped [2, layers, tokens, 128]: 32 KiB -> 4 layers of
+    16 tokens; turboquant (one raw layer at each end) quantizes the middle two."""
+    serde = {"type": "turboquant", "skip_first_layers": 1, "skip_last_layers": 1}
+    spec = json.dumps({**json.loads(MOCK), "serde": serde})
+    argv = ["bench", "l2", "--l2-adapter", spec, "--num-keys", "2", "--data-size-kb", "32"]
+    assert main([*argv, "--no-skip-verify", "--format", "json"]) == 0
+    res = json.loads(capsys.readouterr().out)["metrics"]["l2"]["adapters"][0]["results"]
+    # k8v4, head_dim 128: 196 bytes per token and head instead of 512
+    assert res["serde"]["stored_bytes"] == 2 * 16 * 512 + 2 * 16 * 196
+    assert res["load"]["verify_mismatched_keys"] == 0  # equal to its own decode

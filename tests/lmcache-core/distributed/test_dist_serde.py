@@ -388,13 +388,3 @@ def test_a_failure_other_than_a_rejection_fails_the_whole_batch():
         assert proc.pop_rejected_positions(did) is None  # no partial result
     finally:
         proc.close()
-
-
-def test_turboquant_is_refused_with_its_reason_not_unknown():
-    from lmcache.v1.distributed.serde.base import SerdeConfig
-    from lmcache.v1.distributed.serde.factory import create_serde_processor
-
-    with pytest.raises(ValueError) as e:
-        create_serde_processor(SerdeConfig(type="turboquant", kwargs={}))
-    assert "not provided by this release" in str(e.value) and "CUDA" in str(e.value)
-    assert "Unknown" not in str(e.value)

@@ -9,7 +9,8 @@ duration and the round's wall time. ``--l2-adapter`` is repeatable (each adapter
 on its own) and falls back to the env var ``L2_ADAPTER_JSON``. A ``serde`` block in the
 adapter JSON wraps the adapter in that serde, as the server's storage manager does; an
 unknown serde type is an error naming the registered ones (exit 2). With a serde the objects
-hold bfloat16 values (normal, std 1: KV-like, so ``fp8`` has something to quantize), the load
+hold bfloat16 values (normal, std 1: KV-like, so ``fp8`` has something to quantize) shaped
+``[2, layers, tokens <= 16, 128]`` (flat if the size is not a multiple of 512 bytes), the load
 check compares with the serde's own round trip of each object (exact for lossless serdes),
 and ``results.serde`` (in ``metrics.l2`` of ``--format json``; a ``Serde`` section in the
 terminal report) has its cost measured on the same objects on one thread: encode and decode
@@ -326,6 +327,21 @@ def _wrap_with_serde(adapter: Any, serde: Any, serde_type: str, alloc: Any) -> A
         raise
 
 
+def _kv_shape(nbytes: int) -> Any:
+    """A serde's objects: ``nbytes`` of bfloat16 shaped as KV ``[2, layers, tokens, 128]``
+    (tokens: up to 16; what shape-aware serdes such as ``turboquant`` need), or flat when
+    ``nbytes`` is not a multiple of 512 (one token of K and V)."""
+    import math
+
+    import torch
+
+    if nbytes % 512:
+        return torch.Size([nbytes // 2])
+    token_layers = nbytes // 512
+    tokens = math.gcd(token_layers, 16)
+    return torch.Size([2, token_layers // tokens, tokens, 128])
+
+
 def _serde_round_trip(serde: Any, obj: Any) -> tuple[Any, int, float, float]:
     """``obj`` through the serde's own serializer and deserializer on this thread, under
     one fixed key: (the decoded copy, stored bytes, encode seconds, decode seconds)."""
@@ -425,7 +441,7 @@ def _bench_one(
     shape, dt = (
         ([torch.Size([nbytes])], [torch.uint8])
         if serde is None
-        else ([torch.Size([nbytes // 2])], [torch.bfloat16])
+        else ([_kv_shape(nbytes)], [torch.bfloat16])
     )
     if serde is not None:  # room for the wrapper's serialized temporaries of one wave
         tmp = serde.estimate_serialized_size(MemoryLayoutDesc(shape, dt))

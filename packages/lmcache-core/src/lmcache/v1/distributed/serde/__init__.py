@@ -1,12 +1,11 @@
 """Serdes of L2 adapters: LMCache 0.5.6's ``lmcache.v1.distributed.serde`` API and serdes
-(``fp8``, ``aesgcm``) plus ours (``identity``, ``checksum``). docs/storage-backends.md#serdes
+(``fp8``, ``aesgcm``, ``turboquant``) plus ours (``identity``, ``checksum``). docs/storage-backends.md#serdes
 has the ``"serde"`` block and each serde's options and format.
 
 The names below import their module on first use (importing the package stays cheap). The
 built-in serdes are registered before the factory's first registration or lookup; a plugin
-adds one with ``register_serde_factory(name, factory)``. Not provided: 0.5.6's
-``turboquant`` (a CUDA/Triton codec) and its multi-object helpers (``multi``), see
-docs/compat.md.
+adds one with ``register_serde_factory(name, factory)``. Not provided: 0.5.6's multi-object
+helpers (``multi``), see docs/compat.md.
 """
 
 from __future__ import annotations
@@ -38,6 +37,11 @@ if TYPE_CHECKING:
     )
     from lmcache.v1.distributed.serde.identity import IdentityDeserializer, IdentitySerializer
     from lmcache.v1.distributed.serde.key_provider import HkdfKeyProvider, KeyProvider
+    from lmcache.v1.distributed.serde.turboquant import (
+        TurboQuantDeserializer,
+        TurboQuantSerdeConfig,
+        TurboQuantSerializer,
+    )
     from lmcache.v1.distributed.serde.utils import make_temp_key, serialized_layout_desc
 
 _P = "lmcache.v1.distributed.serde."
@@ -55,6 +59,11 @@ _LAZY: dict[str, tuple[str, str | None]] = {
         "fp8": ("Fp8QuantizationDeserializer", "Fp8QuantizationSerializer"),
         "identity": ("IdentityDeserializer", "IdentitySerializer"),
         "key_provider": ("HkdfKeyProvider", "KeyProvider"),
+        "turboquant": (
+            "TurboQuantDeserializer",
+            "TurboQuantSerdeConfig",
+            "TurboQuantSerializer",
+        ),
         "utils": ("make_temp_key", "serialized_layout_desc"),
     }.items()
     for name in names
@@ -78,6 +87,9 @@ __all__ = [
     "SerdeRejectedError",
     "SerdeTaskId",
     "Serializer",
+    "TurboQuantDeserializer",
+    "TurboQuantSerdeConfig",
+    "TurboQuantSerializer",
     "create_serde_processor",
     "get_registered_serde_types",
     "make_temp_key",

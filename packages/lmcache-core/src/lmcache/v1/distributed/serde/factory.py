@@ -2,7 +2,7 @@
 
 A serde registers ``factory(kwargs) -> SerdeProcessor`` under the name an adapter's
 ``"serde": {"type": <name>, ...}`` block uses; ``kwargs`` are the block's other keys. The
-built-in serdes (``identity``, ``fp8``, ``aesgcm``, ``checksum``) are registered before the
+built-in serdes (``identity``, ``fp8``, ``aesgcm``, ``checksum``, ``turboquant``) are registered before the
 first registration or lookup, so a plugin cannot take a built-in's name (as in 0.5.6, where
 they register when the package is imported).
 """
@@ -23,7 +23,13 @@ SerdeFactory = Callable[[dict[str, object]], "SerdeProcessor"]
 
 _REGISTRY: dict[str, SerdeFactory] = {}
 _LOCK = threading.Lock()
-_BUILTINS = ("identity", "fp8", "aesgcm", "checksum")  # modules that register one each
+_BUILTINS = (
+    "identity",
+    "fp8",
+    "aesgcm",
+    "checksum",
+    "turboquant",
+)  # modules that register one each
 _builtins_loaded = False
 
 
@@ -38,13 +44,8 @@ def register_serde_factory(name: str, factory: SerdeFactory) -> None:
         _REGISTRY[name] = factory
 
 
-# LMCache 0.5.6 serdes that cannot run here: the reason replaces "unknown".
-NOT_PROVIDED_SERDES: dict[str, str] = {
-    "turboquant": (
-        "LMCache 0.5.6's TurboQuant codec runs only as Triton kernels on CUDA; use fp8 for a "
-        "lossy half-size L2, or a serde plugin registered with register_serde_factory"
-    ),
-}
+# LMCache 0.5.6 serdes that cannot run here: the reason replaces "unknown" (none today).
+NOT_PROVIDED_SERDES: dict[str, str] = {}
 
 
 def _load_builtins() -> None:

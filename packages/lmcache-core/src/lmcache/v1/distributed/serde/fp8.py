@@ -8,12 +8,16 @@ Options: ``fp8_dtype`` (a torch float8 dtype name), ``max_workers`` (pool size, 
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey
-from lmcache.v1.distributed.serde._common import check_options, group_tensors, int_option
+from lmcache.v1.distributed.serde._common import (
+    byte_tensor,
+    check_options,
+    fp8_decode_table,
+    group_tensors,
+    int_option,
+)
 from lmcache.v1.distributed.serde.async_processor import AsyncSerdeProcessor
 from lmcache.v1.distributed.serde.base import (
     Deserializer,
@@ -27,13 +31,6 @@ from lmcache.v1.memory_management import MemoryObj
 __all__ = ["Fp8QuantizationDeserializer", "Fp8QuantizationSerializer"]
 
 
-def _byte_tensor(obj: MemoryObj) -> torch.Tensor:
-    t = obj.tensor
-    if t is None:
-        raise ValueError("fp8 serde: the byte buffer has no tensor")
-    return t.reshape(-1).view(torch.uint8) if t.dtype != torch.uint8 else t.reshape(-1)
-
-
 class Fp8QuantizationSerializer(Serializer):
     """Each element cast to one fp8 byte (0.5.6's bytes)."""
 
@@ -41,7 +38,7 @@ class Fp8QuantizationSerializer(Serializer):
         self._fp8_dtype = fp8_dtype
 
     def serialize(self, src: MemoryObj, dst: MemoryObj, key: ObjectKey) -> int:
-        out = _byte_tensor(dst)
+        out = byte_tensor(dst, "fp8")
         off = 0
         for t in group_tensors(src):
             q = t.to(self._fp8_dtype).contiguous().view(torch.uint8).reshape(-1)
@@ -53,13 +50,6 @@ class Fp8QuantizationSerializer(Serializer):
         return sum(torch.Size(s).numel() for s in layout_desc.shapes)  # exact: 1 byte each
 
 
-@functools.lru_cache(maxsize=32)
-def _decode_table(fp8_dtype: torch.dtype, dtype: torch.dtype) -> torch.Tensor:
-    """The 256 fp8 byte values cast to ``dtype``: decoding is a lookup, bit-identical to the
-    cast and about 20x faster on a CPU than torch's fp8 cast."""
-    return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(fp8_dtype).to(dtype)
-
-
 class Fp8QuantizationDeserializer(Deserializer):
     """fp8 bytes cast back to the destination's dtype."""
 
@@ -67,7 +57,7 @@ class Fp8QuantizationDeserializer(Deserializer):
         self._fp8_dtype = fp8_dtype
 
     def deserialize(self, src: MemoryObj, dst: MemoryObj, key: ObjectKey) -> None:
-        data = _byte_tensor(src)
+        data = byte_tensor(src, "fp8")
         groups = group_tensors(dst)
         need = sum(t.numel() for t in groups)
         if data.numel() < need:
@@ -75,7 +65,7 @@ class Fp8QuantizationDeserializer(Deserializer):
         off = 0
         for t in groups:
             idx = data[off : off + t.numel()].to(torch.int32)
-            table = _decode_table(self._fp8_dtype, t.dtype)
+            table = fp8_decode_table(self._fp8_dtype, t.dtype)
             if t.is_contiguous():
                 torch.index_select(table, 0, idx, out=t.view(-1))
             else:
