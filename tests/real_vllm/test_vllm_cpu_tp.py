@@ -27,7 +27,9 @@ pytest.importorskip("vllm", reason="vLLM is not installed (run `nox -s vllm`)")
 from prometheus_client.parser import text_string_to_metric_families
 from testsupport.ports import free_port
 from testsupport.real_vllm import run_vllm, tiny_model_dir
+from testsupport.waiting import eventually
 
+from lmcache.integration.vllm.offline_runner import stored_chunks
 from lmcache.integration.vllm.tiny_model import TinyLlama, prompt_token_ids
 
 TP = 2
@@ -47,6 +49,9 @@ MODEL = TinyLlama(num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2)
 ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
 SPEC = {"tensor_parallel_size": TP, "enforce_eager": True}
 PROMPT = prompt_token_ids(PROMPT_TOKENS, seed=29)
+# PROMPT and 300 tokens more: its hit loads [0, 512) and stores [512, 768) in the same step, so
+# the ranks run their failed-load agreement (a collective over vLLM's TP group) in that step
+LONGER = PROMPT + prompt_token_ids(300, seed=30)
 
 
 def vllm_tp_shm() -> set[str]:
@@ -71,11 +76,17 @@ def model_dir() -> str:
 
 @pytest.fixture(scope="module")
 def reference(model_dir) -> dict[str, dict]:
-    """vLLM alone with the same TP and its prefix cache: the prompt twice, the second a hit."""
-    requests = [{"label": label, "tokens": PROMPT, **GEN} for label in ("cold", "hit")]
+    """vLLM alone with the same TP and its prefix cache: the prompt, the longer prompt and the
+    prompt again; the last two hit vLLM's cache for the same 512 tokens as ours."""
+    requests = [
+        {"label": "cold", "tokens": PROMPT, **GEN},
+        {"label": "longer", "tokens": LONGER, **GEN},
+        {"label": "hit", "tokens": PROMPT, **GEN},
+    ]
     results = {
         r["label"]: r for r in run_vllm(model_dir, requests, ENV, prefix_caching=True, **SPEC)
     }
+    assert results["longer"]["num_cached_tokens"] == CACHED_TOKENS
     assert results["hit"]["num_cached_tokens"] == CACHED_TOKENS
     return results
 
@@ -115,13 +126,13 @@ def test_tp2_each_rank_stores_and_loads_its_shard_and_tokens_match_vllm_alone(
 ):
     connector = {"port": server.port, "transfer_mode": "engine_driven"}
     before = per_worker(server.http_url, "lmcache_mp_num_chunks_loaded_total")
-    cold, hit = run_vllm(
+    cold, longer = run_vllm(
         model_dir,
         [
             {"label": "cold", "tokens": PROMPT, **GEN},
             {
-                "label": "hit",
-                "tokens": PROMPT,
+                "label": "longer",
+                "tokens": LONGER,
                 **GEN,
                 # both ranks' stores landed: a lookup counts a chunk only when all ranks have it
                 "wait_stored_chunks": {"http_url": server.http_url, "at_least": TP * CHUNKS},
@@ -135,11 +146,17 @@ def test_tp2_each_rank_stores_and_loads_its_shard_and_tokens_match_vllm_alone(
     assert cold["server"]["num_chunks_loaded"] == 0
     assert cold["server"]["l1_write_chunks"] == TP * CHUNKS  # each rank stored its shard
     assert same_output(cold, reference["cold"])
-    assert hit["server"]["lookup_hit_tokens"] == CACHED_TOKENS
-    assert hit["server"]["num_chunks_loaded"] == TP * CHUNKS
-    assert same_output(hit, reference["hit"])
+    assert longer["server"]["lookup_hit_tokens"] == CACHED_TOKENS
+    assert longer["server"]["num_chunks_loaded"] == TP * CHUNKS
+    assert same_output(longer, reference["longer"])
     # both ranks of this engine loaded their own two chunks
     assert sorted(loaded_by_worker_since(server, before).values()) == [CHUNKS] * TP
+    # and both stored the longer prompt's third chunk (its load succeeded on every rank)
+    eventually(
+        lambda: stored_chunks(server.http_url) == TP * (CHUNKS + 1),
+        f"both ranks stored chunk [512, 768) ({TP * (CHUNKS + 1)} chunks in all)",
+        timeout=30,
+    )
 
     before = per_worker(server.http_url, "lmcache_mp_num_chunks_loaded_total")
     (again,) = run_vllm(
