@@ -12,22 +12,17 @@ must show the chunks it stored and handed back.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (run `nox -s vllm`)")
 
-from lmcache.integration.vllm.offline_runner import parse_result, server_counters
-from lmcache.integration.vllm.tiny_model import (
-    TinyLlama,
-    build_tiny_llama,
-    prompt_token_ids,
-)
+from testsupport import real_vllm
+from testsupport.real_vllm import tiny_model_dir
+
+from lmcache.integration.vllm.offline_runner import server_counters
+from lmcache.integration.vllm.tiny_model import TinyLlama, prompt_token_ids
 
 CHUNK = 256
 # 600 tokens: two full chunks (512) for us, and four 128-token blocks (512) for vLLM's own
@@ -39,35 +34,15 @@ MODEL = TinyLlama(num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2)
 # The same thread count with and without a connector: vLLM reserves one more core for a
 # KV connector unless told how many to reserve (docs/vllm.md, "vLLM on CPU").
 ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
-RUN_TIMEOUT_S = 420
 
 
 @pytest.fixture(scope="module")
 def model_dir() -> str:
-    cache = Path(os.environ.get("LMCACHE_TEST_CACHE", Path.home() / ".cache" / "lmcache-tests"))
-    return str(build_tiny_llama(cache / "tiny-llama-2l", MODEL))
+    return tiny_model_dir("tiny-llama-2l", MODEL)
 
 
 def run_vllm(model_dir: str, requests: list[dict], **spec) -> list[dict]:
-    spec = {"model": model_dir, "max_model_len": 2048, "requests": requests, **spec}
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "lmcache.integration.vllm.offline_runner",
-            "--spec",
-            json.dumps(spec),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=RUN_TIMEOUT_S,
-        env={**os.environ, **ENV},
-    )
-    if proc.returncode != 0:
-        raise AssertionError(
-            f"vLLM run failed ({proc.returncode}):\n{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}"
-        )
-    return parse_result(proc.stdout + proc.stderr)["requests"]
+    return real_vllm.run_vllm(model_dir, requests, ENV, **spec)
 
 
 PROMPTS = {

@@ -602,6 +602,47 @@ def test_nothing_computed_on_a_failed_sync_load_is_stored(server, engines):
     assert_no_locks(server)
 
 
+@pytest.mark.parametrize("another_rank_failed", [True, False])
+def test_tp_ranks_drop_stores_computed_on_a_load_that_failed_on_any_rank(
+    server, engines, another_rank_failed
+):
+    """With TP the ranks all-reduce every layer, so what a rank computes on top of ANOTHER
+    rank's failed synchronous load is wrong too. Each rank asks its TP group (in vLLM a
+    collective, ``failed_on_any_rank``) which of the step's loaded-and-storing requests failed
+    on any rank, and drops their stores; a rank whose own load failed says so."""
+    prompt = tokens(900, seed=56 + another_rank_failed)
+    store_prompt(engines, prompt[:600], tp=2)  # chunks [0, 512) cached, both ranks
+    e = engines(tp=2)
+    asked: list[tuple[int, list[str], set[str]]] = []
+    submitted: list[tuple[int, int, int]] = []
+    for rank, w in enumerate(e.workers):
+        adapter = w.worker_adapter
+
+        def agree(ids: list[str], failed_here: set[str], rank: int = rank) -> set[str]:
+            asked.append((rank, ids, failed_here))
+            return set(ids) if another_rank_failed else failed_here
+
+        adapter.failed_on_any_rank = agree
+        real_submit = adapter.transfer.submit_store
+
+        def submit_store(key, block_ids, rank=rank, real_submit=real_submit):
+            submitted.append((rank, key.start, key.end))
+            return real_submit(key, block_ids)
+
+        adapter.transfer.submit_store = submit_store
+    e.add_request("tp", prompt)
+    e.run()
+    assert e.loaded_ok["tp"] == 512  # every rank's own load succeeded
+    # asked once per rank, in the step that loaded [0, 512) and stores up to 768
+    assert asked == [(0, ["tp"], set()), (1, ["tp"], set())]
+    assert (512, 768) in [(r.op.start, r.op.end) for r in ops_of(e, "STORE", "tp")]
+    if another_rank_failed:
+        assert submitted == []  # neither rank stored what it computed on the failed load
+    else:
+        assert sorted(submitted) == [(0, 512, 768), (1, 512, 768)]
+    assert_no_locks(server)
+
+
 def test_chunks_stored_from_nhd_load_into_hnd(server, engines):
     """The stored chunk layout is canonical: an HND engine reads what an NHD engine wrote
     (older vLLM's split K/V tensors, where both orders exist for the same backend)."""

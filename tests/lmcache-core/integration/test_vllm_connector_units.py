@@ -335,6 +335,7 @@ def test_register_kv_caches_hands_the_mlu_layout_to_the_worker():
     cfg.cache_config.kv_cache_layout = None
     connector = LMCacheMPConnector.__new__(LMCacheMPConnector)  # no server needed
     connector._vllm_config = cfg
+    connector.strategy = ParallelStrategy.from_vllm_config(cfg)
     connector.worker_adapter = worker = _Worker()
     kv = {"layer.0": SimpleNamespace(device=SimpleNamespace(type="mlu"))}
     connector.register_kv_caches(kv)

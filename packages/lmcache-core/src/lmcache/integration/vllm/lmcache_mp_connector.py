@@ -90,6 +90,39 @@ def _kv_events_enabled(vllm_config: Any) -> bool:
     return bool(getattr(cfg, "enable_kv_cache_events", False))
 
 
+def _tp_failed_load_agreement(tp_size: int) -> Any:
+    """With tensor parallelism: a collective over vLLM's TP group (gloo, CPU) that tells every
+    rank which of a step's synchronously loaded requests failed to load on ANY rank; None
+    without TP or outside a vLLM worker (no TP group).
+
+    The ranks all-reduce every layer, so what one rank computes on top of another rank's
+    failed load is wrong too, and must not be stored by either. Only the TP group: with
+    pipeline parallelism a later stage's workers send and receive around this point, and a
+    collective with them there would deadlock (a later stage still stores what it computed
+    on top of an earlier stage's failed load: docs/vllm.md#parallelism)."""
+    if tp_size <= 1:
+        return None
+    try:
+        from vllm.distributed.parallel_state import get_tp_group, model_parallel_is_initialized
+    except ImportError:
+        return None
+    if not model_parallel_is_initialized():
+        return None
+    group = get_tp_group()
+    if group.world_size <= 1:
+        return None
+    import torch
+
+    def failed_on_any_rank(request_ids: list[str], failed_here: set[str]) -> set[str]:
+        flags = torch.tensor([int(rid in failed_here) for rid in request_ids], dtype=torch.int32)
+        torch.distributed.all_reduce(
+            flags, op=torch.distributed.ReduceOp.MAX, group=group.cpu_group
+        )
+        return {rid for rid, flag in zip(request_ids, flags.tolist(), strict=True) if flag}
+
+    return failed_on_any_rank
+
+
 def _group_block_sizes(vllm_config: Any, kv_cache_config: Any) -> list[int]:
     groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
     sizes = [int(g.kv_cache_spec.block_size) for g in groups]
@@ -187,6 +220,7 @@ class LMCacheMPConnector(*_BASES):  # type: ignore[misc]
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         worker = self._worker()
         worker.kv_layout = _vllm_kv_layout(self._vllm_config, _kv_device_type(kv_caches))
+        worker.failed_on_any_rank = _tp_failed_load_agreement(self.strategy.tp_size)
         worker.register_kv_caches(kv_caches)
 
     def handle_preemptions(self, kv_connector_metadata: Any) -> None:

@@ -16,7 +16,9 @@ The spec (JSON):
   counters did during it (``chunks_loaded``, ``lookup_hit_tokens``, ``l1_write_chunks``);
 * ``kv_events_config``: vLLM's ``--kv-events-config`` as an object (optional; vLLM then
   publishes its KV events, ours from ``take_events`` among them);
-* ``max_model_len``, ``dtype`` (optional);
+* ``max_model_len``, ``dtype``, ``enforce_eager`` (optional);
+* ``tensor_parallel_size`` (optional, default 1): vLLM's ``--tensor-parallel-size``; above 1
+  vLLM runs one worker process per rank (its ``mp`` executor);
 * ``requests``: ``[{"label", "tokens": [ids], "max_tokens": 1, "logprobs": 0,
   "wait_stored_chunks": {"http_url", "at_least"}}]``, run one after another; the wait
   (before the request) polls the server's ``/metrics`` until
@@ -102,7 +104,12 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         "max_model_len": int(spec.get("max_model_len", 4096)),
         "enable_prefix_caching": bool(spec.get("prefix_caching", False)),
         "seed": 0,
+        "enforce_eager": bool(spec.get("enforce_eager", False)),
     }
+    tp = int(spec.get("tensor_parallel_size", 1))
+    if tp > 1:
+        kwargs["tensor_parallel_size"] = tp
+        kwargs["distributed_executor_backend"] = "mp"
     if spec.get("connector"):
         kwargs["kv_transfer_config"] = kv_transfer_config(spec["connector"])
     if spec.get("kv_events_config"):  # vLLM's --kv-events-config, as a JSON object

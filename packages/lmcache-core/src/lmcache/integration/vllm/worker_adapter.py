@@ -25,6 +25,7 @@ from __future__ import annotations
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,6 +47,10 @@ logger = init_logger(__name__)
 UNREGISTER_TIMEOUT_S = 2.0
 # At shutdown, stores already submitted get this long to finish (vLLM kills a worker later).
 SHUTDOWN_FLUSH_S = 5.0
+
+# ``(request ids, failed here) -> failed on any rank``: run by every TP rank in the same step
+# with the same ids (a collective); see LMCacheMPWorkerAdapter.failed_on_any_rank.
+FailedLoadAgreement = Callable[[list[str], set[str]], set[str]]
 
 
 def new_instance_id() -> int:
@@ -114,6 +119,12 @@ class LMCacheMPWorkerAdapter:
         # Requests whose synchronous load failed in this step: their stores of the same step
         # (wait_for_save) are dropped; start_store consumes the set.
         self._sync_failed: set[str] = set()
+        # Requests loaded synchronously in this step (start_load; start_store consumes it).
+        self._sync_loaded: set[str] = set()
+        # With tensor parallelism a failed load on one rank corrupts what EVERY rank computes
+        # on top of it (the ranks all-reduce each layer): the connector sets this to a
+        # collective over vLLM's TP group, so that every rank drops those stores.
+        self.failed_on_any_rank: FailedLoadAgreement | None = None
         self._lock = threading.Lock()
         # vLLM's KV events (kv_events_config.enable_kv_cache_events): one worker per server
         # subscribes to the server's event log once its caches are registered
@@ -254,6 +265,7 @@ class LMCacheMPWorkerAdapter:
         if not retrieves:
             return
         if self.config.sync_load:
+            self._sync_loaded = {r.request_id for r in retrieves}
             self._load_now(retrieves)
             return
         healthy = self.healthy
@@ -321,9 +333,14 @@ class LMCacheMPWorkerAdapter:
     # -- stores -------------------------------------------------------------------------
     def start_store(self, requests: list[LMCacheMPRequestMetadata]) -> None:
         sync_failed, self._sync_failed = self._sync_failed, set()
+        sync_loaded, self._sync_loaded = self._sync_loaded, set()
         stores = [r for r in requests if r.direction == "STORE"]
         if not stores:
             return
+        # Every rank got the same metadata, so every rank takes this branch in the same step.
+        at_risk = sorted({r.request_id for r in stores} & sync_loaded)
+        if at_risk and self.failed_on_any_rank is not None:
+            sync_failed = self.failed_on_any_rank(at_risk, sync_failed & set(at_risk))
         writer = self.strategy.is_kv_writer
         healthy = self.healthy
         transfer = self.transfer  # None once shut down
