@@ -900,10 +900,16 @@ class MPClient:
         return list(self.call("get_experimental", timeout=timeout) or [])
 
     def negotiate_default_features(
-        self, wanted: tuple[str, ...] = P.SUPPORTED_FEATURES, timeout: float | None = 10.0
+        self, wanted: tuple[str, ...] | None = None, timeout: float | None = 10.0
     ) -> frozenset[str]:
         """Enable the features the server advertises (safe against LMCache 0.5.6 servers,
-        which advertise none of ours). Call again after every (re-)registration."""
+        which advertise none of ours). Call again after every (re-)registration. ``wanted``
+        None: ``SUPPORTED_FEATURES`` plus the opt-in ones this client enabled before (a
+        transfer context sharing the connector's client keeps its ``partial_chunk``)."""
+        if wanted is None:
+            wanted = P.SUPPORTED_FEATURES + tuple(
+                f for f in P.OPT_IN_FEATURES if f in self.features
+            )
         offered = set(self.get_experimental(timeout=timeout))
         ask = [f for f in wanted if f in offered]
         if not ask:
