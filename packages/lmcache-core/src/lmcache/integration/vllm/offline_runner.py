@@ -16,7 +16,7 @@ The spec (JSON):
   counters did during it (``chunks_loaded``, ``lookup_hit_tokens``, ``l1_write_chunks``);
 * ``kv_events_config``: vLLM's ``--kv-events-config`` as an object (optional; vLLM then
   publishes its KV events, ours from ``take_events`` among them);
-* ``max_model_len``, ``dtype`` (optional);
+* ``max_model_len``, ``dtype``, ``block_size`` (vLLM's tokens per KV block) (optional);
 * ``requests``: ``[{"label", "tokens": [ids], "max_tokens": 1, "logprobs": 0,
   "wait_stored_chunks": {"http_url", "at_least"}}]``, run one after another; the wait
   (before the request) polls the server's ``/metrics`` until
@@ -103,6 +103,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         "enable_prefix_caching": bool(spec.get("prefix_caching", False)),
         "seed": 0,
     }
+    if spec.get("block_size"):  # vLLM's --block-size (tokens per KV block)
+        kwargs["block_size"] = int(spec["block_size"])
     if spec.get("connector"):
         kwargs["kv_transfer_config"] = kv_transfer_config(spec["connector"])
     if spec.get("kv_events_config"):  # vLLM's --kv-events-config, as a JSON object
