@@ -38,7 +38,7 @@ def test_tail_hash_never_equals_a_whole_chunk_hash():
     assert tail_hash(whole[0], raw[CHUNK * 4 : (CHUNK + 16) * 4]) != tail_hash(
         NONE_HASH, raw[CHUNK * 4 : (CHUNK + 16) * 4]
     )
-    # whole-chunk hashes are untouched by the feature (the 0.5.6 vector of protocol.md 4.2)
+    # whole-chunk hashes are untouched by the feature (0.5.6's h1, docs/design/protocol.md#token-hashing)
     assert chunk_hashes(list(range(1, 513)), CHUNK)[1].hex().startswith("0b709854")
 
 
