@@ -881,8 +881,9 @@ class MPClient:
     def lookup_hits(
         self, key: P.IPCCacheServerKey, wait: float = 30.0, tp_size: Any = 1
     ) -> int | None:
-        """Look ``key`` up and wait up to ``wait`` s for the hit prefix in chunks (None when
-        the server's wait ran out; the status then stays queryable). One round trip where
+        """Look ``key`` up and wait up to ``wait`` s for the hit prefix in chunks (in tokens
+        once this client negotiated ``partial_chunk``; None when the server's wait ran out,
+        the status then stays queryable). One round trip where
         the server offers ``lookup_wait``, a lookup with its wait sent right behind it where
         it offers ``ordered_lookup``, else (LMCache 0.5.6) a lookup, then the wait."""
         timeout = wait + self.default_timeout if self.default_timeout is not None else None
