@@ -146,3 +146,38 @@ def test_free_lookup_locks_releases_the_tail(lmcache_server, mp):
         ctx.close()
         wclient.close()
         sched.close()
+
+
+def test_a_tail_only_in_l2_is_found_and_loaded(lmcache_server, mp):
+    l2 = '{"type": "mock", "max_size_gb": 0.1, "mock_bandwidth_gb": 10.0}'
+    srv = lmcache_server("--chunk-size", str(CHUNK), "--l2-adapter", l2)
+    kv = mp.make_kv(num_blocks=40, block_size=BLOCK, seed=6)
+    wclient, ctx = mp.worker(srv.rpc_url, kv)
+    wclient.negotiate_default_features(PARTIAL)
+    sched = _client(srv.rpc_url, partial=True)
+    prompt = toks(400, seed=8)
+    blocks = list(range(1, 26))
+    try:
+        assert ctx.submit_store(mp.key("s", tokens=prompt, end=400), [blocks]).result(20)
+        mp.wait_for(
+            lambda: mp.status(srv)["storage_manager"]["l2_adapters"][0]["usage_bytes"] >= 2 * 32768,
+            "the chunk and the tail written behind to L2",
+            30,
+        )
+        assert sched.call("clear", True, timeout=10) is None  # L1 only
+        assert mp.status(srv)["storage_manager"]["l1"]["total_object_count"] == 0
+        assert _lock_and_hit(mp, sched, prompt, "l2") == 400
+        dest = mp.make_kv(num_blocks=40, block_size=BLOCK, zeros=True)
+        c2, ctx2 = mp.worker(srv.rpc_url, dest)
+        c2.negotiate_default_features(PARTIAL)
+        try:
+            assert ctx2.submit_retrieve(mp.key("l2", tokens=prompt, end=400), [blocks]).result(20)
+            assert all(torch.equal(a[:, 1:26], b[:, 1:26]) for a, b in zip(kv, dest, strict=True))
+        finally:
+            ctx2.close()
+            c2.close()
+        sched.call("end_session", "l2", timeout=10)
+    finally:
+        ctx.close()
+        wclient.close()
+        sched.close()
