@@ -4,6 +4,8 @@ block granularity (docs/vllm.md, "Chunks and blocks")."""
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import pytest
 from lmc_vllm_harness import Engine
@@ -17,6 +19,14 @@ def tokens(n: int, seed: int = 1) -> list[int]:
 
 def l1(srv) -> dict:
     return httpx.get(srv.http_url + "/status", timeout=5).json()["storage_manager"]["l1"]
+
+
+def no_locks(srv) -> bool:
+    """No lookup lock outlives its request (end_session may still be on its way)."""
+    deadline = time.monotonic() + 10
+    while int(l1(srv)["read_locked_count"]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return int(l1(srv)["read_locked_count"]) == 0
 
 
 def stores(e: Engine, rid: str) -> list[tuple[int, int]]:
@@ -77,7 +87,7 @@ def test_3000_token_prompt_hits_2992_tokens_byte_identical(shared_server, engine
     assert old.loaded_ok["d"] == 2816
     for rid, e in (("b", warm), ("c", turn), ("d", old)):
         assert not e.load_failed, rid
-    assert int(l1(shared_server)["read_locked_count"]) == 0
+    assert no_locks(shared_server)
 
 
 def test_prompt_shorter_than_a_chunk_reuses_its_blocks(shared_server, engines):
@@ -97,4 +107,20 @@ def test_prompt_shorter_than_a_chunk_reuses_its_blocks(shared_server, engines):
     exact.run()
     assert exact.match_results["u"][-1] == (176, False)
     assert exact.loaded_ok["u"] == 176
-    assert int(l1(shared_server)["read_locked_count"]) == 0
+    assert no_locks(shared_server)
+
+
+@pytest.mark.parametrize("mla", [False, True])
+def test_tp2_and_mla_tp2_load_the_tail_on_every_rank(shared_server, engines, mla):
+    prompt = tokens(600, seed=11 + mla)
+    cold = engines(tp=2, mla=mla)
+    cold.add_request("p", prompt)
+    cold.run()
+    assert stores(cold, "p") == [(0, 592)]
+    warm = engines(tp=2, mla=mla)
+    warm.add_request("q", prompt)
+    warm.run()
+    assert warm.match_results["q"][-1] == (592, False)
+    assert warm.loaded_ok["q"] == 592  # on both ranks (MLA: both read rank 0's copy)
+    assert not warm.load_failed
+    assert no_locks(shared_server)
