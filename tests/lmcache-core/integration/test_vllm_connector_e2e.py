@@ -52,6 +52,9 @@ def engines(server, request):
 
     def make(**kw) -> Engine:
         kw.setdefault("port", server.port)
+        # These tests pin whole-chunk ranges and object counts (LMCache 0.5.6's behaviour);
+        # test_vllm_connector_partial.py covers the partial_chunk tails, on by default.
+        kw["extra"] = {"lmcache.mp.partial_chunk": "false", **(kw.get("extra") or {})}
         if load == "async":
             kw["extra"] = {"lmcache.mp.sync_load": "false", **(kw.get("extra") or {})}
         e = Engine(**kw)

@@ -113,7 +113,8 @@ def test_a_runner_without_an_adapter_stores_then_retrieves(servers, mode, shm, i
         for t in kv.values():
             t[:, block_ids] = 0
 
-        assert link.client.lookup_hits(key(model, tokens, "load", worker_id=None), 10.0) == chunks
+        hit = chunks * link.chunk_size if link.partial_chunk else chunks  # partial_chunk: tokens
+        assert link.client.lookup_hits(key(model, tokens, "load", worker_id=None), 10.0) == hit
         load = runner.submit_retrieve(key(model, tokens, "load"), [block_ids], 0, inline=inline)
         assert load.result(20)
         for name, t in kv.items():
@@ -151,7 +152,8 @@ def test_an_inline_retrieve_from_a_stopped_server_fails_within_its_timeout(
         assert runner.submit_store(key(model, tokens, "store"), [block_ids]).result(20)
         assert runner.flush(20)
         # the scheduler's lookup: read-locks the chunk for this request's retrieve
-        assert link.client.lookup_hits(key(model, tokens, "load", worker_id=None), 10.0) == 1
+        hit = link.chunk_size if link.partial_chunk else 1  # partial_chunk: in tokens
+        assert link.client.lookup_hits(key(model, tokens, "load", worker_id=None), 10.0) == hit
         sigstop(srv.proc.pid)
         if busy:  # a store on the runner's thread, stuck on the stopped server
             runner.submit_store(key(model, tokens, "store-2"), [block_ids])

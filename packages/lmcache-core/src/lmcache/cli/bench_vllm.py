@@ -106,8 +106,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         default=128,
         help="chunk size of a started server (default 128, vLLM's CPU block size: both caches "
-        "then reuse the same prompt tokens; with the server's default 256 only whole 256-token "
-        "chunks are reused, e.g. 2816 of a 3000-token prompt against vLLM's 2944)",
+        "then reuse the same prompt tokens in whole chunks; with the server's default 256 the "
+        "connector's partial_chunk tail brings the hit to vLLM's too, e.g. 2944 of a "
+        "3000-token prompt, where whole chunks alone give 2816)",
     )
     p.add_argument("--l1-size-gb", type=float, default=4.0, help="L1 of a started server (GiB)")
     p.add_argument(

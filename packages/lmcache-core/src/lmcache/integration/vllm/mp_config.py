@@ -109,6 +109,8 @@ _MUST_KEYS: dict[str, tuple[Any, Callable[[str, Any], Any]]] = {
     "sync_load": (True, _bool),
     # Ours: set vLLM's kv_load_failure_policy to "recompute" (see MPConnectorConfig).
     "recompute_failed_loads": (True, _bool),
+    # Ours: store and reuse a prompt's last, partial chunk (protocol feature partial_chunk).
+    "partial_chunk": (True, _bool),
 }
 
 # Recognised, not implemented yet: accepted only at their default value.
@@ -157,6 +159,10 @@ class MPConnectorConfig:
     # recomputed by vLLM; its default "fail" ends those requests with an error. False: vLLM's
     # setting stands.
     recompute_failed_loads: bool = True
+    # True: where the server offers partial_chunk, a prompt's tokens past its last whole
+    # chunk (floored to vLLM's block size) are stored as a tail object and reused, so hits
+    # reach vLLM block granularity instead of whole chunks. False: whole chunks only.
+    partial_chunk: bool = True
 
     @property
     def server_url(self) -> str:

@@ -16,7 +16,8 @@ The spec (JSON):
   counters did during it (``chunks_loaded``, ``lookup_hit_tokens``, ``l1_write_chunks``);
 * ``kv_events_config``: vLLM's ``--kv-events-config`` as an object (optional; vLLM then
   publishes its KV events, ours from ``take_events`` among them);
-* ``max_model_len``, ``dtype``, ``enforce_eager`` (optional);
+* ``max_model_len``, ``dtype``, ``enforce_eager``, ``block_size`` (vLLM's tokens per KV block)
+  (optional);
 * ``tensor_parallel_size`` (optional, default 1): vLLM's ``--tensor-parallel-size``; above 1
   vLLM runs one worker process per rank (its ``mp`` executor);
 * ``requests``: ``[{"label", "tokens": [ids], "max_tokens": 1, "logprobs": 0,
@@ -110,6 +111,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     if tp > 1:
         kwargs["tensor_parallel_size"] = tp
         kwargs["distributed_executor_backend"] = "mp"
+    if spec.get("block_size"):  # vLLM's --block-size (tokens per KV block)
+        kwargs["block_size"] = int(spec["block_size"])
     if spec.get("connector"):
         kwargs["kv_transfer_config"] = kv_transfer_config(spec["connector"])
     if spec.get("kv_events_config"):  # vLLM's --kv-events-config, as a JSON object

@@ -76,6 +76,10 @@ class RequestTracker:
     # Blocks of the RETRIEVE in flight; a failed load means vLLM recomputes past vllm_hit.
     loading_blocks: set[int] = field(default_factory=set)
     load_failed: bool = False
+    # partial_chunk (the link negotiated it when the lookup went out): the lookup status is
+    # in tokens and lmcache_hit may end in a tail; the prompt's own tail is stored once.
+    partial: bool = False
+    tail_stored: bool = False
 
     def __post_init__(self) -> None:
         if not self.allocated_block_ids:
@@ -163,11 +167,16 @@ class LMCacheMPSchedulerAdapter:
 
     def _send_lookup(self, t: RequestTracker) -> None:
         self.link.start_heartbeat()
-        end = chunk_floor(len(t.prompt), self.chunk_size)
+        t.partial = self.link.partial_chunk
+        if t.partial:  # whole chunks, then the longest stored tail the prompt holds
+            end = len(t.prompt) if len(t.prompt) >= self.hit_alignment else 0
+        else:
+            end = chunk_floor(len(t.prompt), self.chunk_size)
         t.lookup_key = self._key(t, 0, end)
         t.lookup_sent_at = time.monotonic()
         if end == 0:
-            # Shorter than one chunk: nothing can hit, so nothing is asked or locked.
+            # Shorter than one chunk (one block with partial_chunk): nothing can hit, so
+            # nothing is asked or locked.
             t.hit_known, t.lmcache_hit = True, 0
             return
         t.lookup_future = self.link.submit("lookup", t.lookup_key, self.strategy.kv_world_size)
@@ -200,7 +209,8 @@ class LMCacheMPSchedulerAdapter:
             self._send_status(t)
             return
         t.hit_known = True
-        t.lmcache_hit = min(int(chunks) * self.chunk_size, t.lookup_key.end)
+        hit = int(chunks) if t.partial else int(chunks) * self.chunk_size
+        t.lmcache_hit = min(hit, t.lookup_key.end)
         t.locks_from, t.locks_held = 0, t.lmcache_hit > 0
 
     def _send_status(self, t: RequestTracker) -> None:
@@ -211,11 +221,12 @@ class LMCacheMPSchedulerAdapter:
             t.status_future.wait(WAIT_STATUS_S + 0.5)
 
     def _free_locks(self, t: RequestTracker, end: int) -> None:
-        """Give back the read locks of ``[locks_from, end)`` (chunk-aligned; empty sends nothing)."""
+        """Give back the read locks of ``[locks_from, end)`` (chunk-aligned, or ending in the
+        hit's tail; empty sends nothing)."""
         if not t.locks_held:
             return
         start = t.locks_from
-        end = min(chunk_floor(end, self.chunk_size), t.lmcache_hit)
+        end = t.lmcache_hit if end >= t.lmcache_hit else chunk_floor(end, self.chunk_size)
         if end > start:
             self.link.send(
                 "free_lookup_locks", self._key(t, start, end), self.strategy.kv_world_size
@@ -309,7 +320,8 @@ class LMCacheMPSchedulerAdapter:
         else:
             t.state = RequestState.READY
             self._free_locks(t, t.lmcache_hit)
-        t.num_stored = t.lmcache_hit
+        # A tail hit is no whole chunk: the chunk it lies in is stored if the prompt fills it.
+        t.num_stored = chunk_floor(t.lmcache_hit, self.chunk_size)
 
     def _append_blocks(self, t: RequestTracker, block_ids: Any, mode: str) -> None:
         """Track the request's blocks per group.
@@ -419,7 +431,15 @@ class LMCacheMPSchedulerAdapter:
             limit = min(limit, len(t.prompt))
         start = t.num_stored
         end = chunk_floor(limit, self.chunk_size)
-        if end - start < self.chunk_size:
+        whole_end = end
+        if t.partial and not t.tail_stored and limit >= len(t.prompt):
+            # The prompt is computed: its tokens past the last whole chunk, floored to
+            # vLLM's block size, go along as its tail (stored once per request).
+            tail_end = len(t.prompt) // self.hit_alignment * self.hit_alignment
+            if tail_end > max(chunk_floor(len(t.prompt), self.chunk_size), t.lmcache_hit):
+                end = tail_end
+                t.tail_stored = True
+        if end - start < self.chunk_size and end == whole_end:
             return None
         op = LoadStoreOp(
             token_ids=list(tokens[:end]),
@@ -427,7 +447,7 @@ class LMCacheMPSchedulerAdapter:
             start=start,
             end=end,
         )
-        t.num_stored = end
+        t.num_stored = whole_end
         t.stored_any = True
         return LMCacheMPRequestMetadata(t.request_id, "STORE", op, t.cache_salt)
 

@@ -16,6 +16,7 @@ from typing import Any
 
 from lmcache.integration.vllm.mp_config import MPConnectorConfig
 from lmcache.utils import init_logger
+from lmcache.v1.multiprocess import protocol as P
 from lmcache.v1.multiprocess.client import HeartbeatThread, LMCacheTimeoutError, MPClient
 
 logger = init_logger(__name__)
@@ -65,9 +66,18 @@ class ServerLink:
         return chunk
 
     def negotiate(self) -> frozenset[str]:
-        """Enable ``error_replies`` / ``raw_payload_v1`` where the server offers them."""
+        """Enable our features where the server offers them (``partial_chunk`` too unless
+        ``lmcache.mp.partial_chunk`` is false)."""
         timeout = min(self.config.mq_timeout, 10.0)
-        return self.client.negotiate_default_features(timeout=timeout)
+        wanted = P.SUPPORTED_FEATURES
+        if self.config.partial_chunk:
+            wanted += (P.FEATURE_PARTIAL_CHUNK,)
+        return self.client.negotiate_default_features(wanted, timeout=timeout)
+
+    @property
+    def partial_chunk(self) -> bool:
+        """The server stores and finds tails for this link (``FEATURE_PARTIAL_CHUNK``)."""
+        return P.FEATURE_PARTIAL_CHUNK in self.client.features
 
     def experimental(self) -> list[str]:
         """The server's ``get_experimental`` list (capabilities such as ``kv_event_stream``);

@@ -881,8 +881,9 @@ class MPClient:
     def lookup_hits(
         self, key: P.IPCCacheServerKey, wait: float = 30.0, tp_size: Any = 1
     ) -> int | None:
-        """Look ``key`` up and wait up to ``wait`` s for the hit prefix in chunks (None when
-        the server's wait ran out; the status then stays queryable). One round trip where
+        """Look ``key`` up and wait up to ``wait`` s for the hit prefix in chunks (in tokens
+        once this client negotiated ``partial_chunk``; None when the server's wait ran out,
+        the status then stays queryable). One round trip where
         the server offers ``lookup_wait``, a lookup with its wait sent right behind it where
         it offers ``ordered_lookup``, else (LMCache 0.5.6) a lookup, then the wait."""
         timeout = wait + self.default_timeout if self.default_timeout is not None else None
@@ -900,10 +901,16 @@ class MPClient:
         return list(self.call("get_experimental", timeout=timeout) or [])
 
     def negotiate_default_features(
-        self, wanted: tuple[str, ...] = P.SUPPORTED_FEATURES, timeout: float | None = 10.0
+        self, wanted: tuple[str, ...] | None = None, timeout: float | None = 10.0
     ) -> frozenset[str]:
         """Enable the features the server advertises (safe against LMCache 0.5.6 servers,
-        which advertise none of ours). Call again after every (re-)registration."""
+        which advertise none of ours). Call again after every (re-)registration. ``wanted``
+        None: ``SUPPORTED_FEATURES`` plus the opt-in ones this client enabled before (a
+        transfer context sharing the connector's client keeps its ``partial_chunk``)."""
+        if wanted is None:
+            wanted = P.SUPPORTED_FEATURES + tuple(
+                f for f in P.OPT_IN_FEATURES if f in self.features
+            )
         offered = set(self.get_experimental(timeout=timeout))
         ask = [f for f in wanted if f in offered]
         if not ask:

@@ -150,7 +150,9 @@ def gather_paged_kv_to_cpu(
     idx, flat = _select(list(block_ids), blocks_per_chunk, chunk_indices)
     tokens = blocks_per_chunk * geo.block_size
     if out is None:
-        out = [torch.empty(geo.chunk_shape(tokens), dtype=geo.dtype) for _ in idx]
+        # A last partial chunk (a tail) leaves rows unwritten: zeros, not stale memory.
+        alloc = torch.zeros if len(flat) < len(idx) * blocks_per_chunk else torch.empty
+        out = [alloc(geo.chunk_shape(tokens), dtype=geo.dtype) for _ in idx]
     if len(out) != len(idx):
         raise ValueError(f"out has {len(out)} chunks but {len(idx)} were selected")
     if not idx:

@@ -86,6 +86,15 @@ FEATURE_ORDERED_LOOKUP = "ordered_lookup"
 # the timeout passes first (the status then stays queryable). One request and one reply
 # instead of two of each; a client sends the third payload only after negotiating this.
 FEATURE_LOOKUP_WAIT = "lookup_wait"
+# Ours: a request's last, partial chunk is an object of its own (docs/design/protocol.md#partial-chunk).
+# Keys of this peer may end past the last whole chunk (``end`` unaligned, ``start`` still
+# aligned): tokens ``[chunk_floor(end), end)`` are the *tail*, kept in one chunk-shaped object
+# (its first ``end % chunk_size`` token slots used) under ``tail_hash``, which no whole chunk
+# can have. A lookup also probes the tail after its whole-chunk hit, and the lookup status
+# (query/wait_prefetch_status, lookup_wait) is then the hit in TOKENS, not chunks. Opt-in: our
+# clients ask for it only where they send such keys (the vLLM connector), so every other
+# client keeps chunk counts. Whole chunks keep 0.5.6's keys and bytes.
+FEATURE_PARTIAL_CHUNK = "partial_chunk"
 SUPPORTED_FEATURES: tuple[str, ...] = (
     FEATURE_ERROR_REPLIES,
     FEATURE_RAW_PAYLOAD_V1,
@@ -93,6 +102,10 @@ SUPPORTED_FEATURES: tuple[str, ...] = (
     FEATURE_ORDERED_LOOKUP,
     FEATURE_LOOKUP_WAIT,
 )
+# Features the server offers that a client enables only by naming them.
+OPT_IN_FEATURES: tuple[str, ...] = (FEATURE_PARTIAL_CHUNK,)
+# Everything get_experimental lists and negotiate_features may enable.
+OFFERED_FEATURES: tuple[str, ...] = SUPPORTED_FEATURES + OPT_IN_FEATURES
 
 # ---------------------------------------------------------------------------
 # Payload structs (4.1, 5.2)
@@ -487,8 +500,11 @@ def token_prefix(key: IPCCacheServerKey, end: int) -> list[int] | bytes:
     return ids[: 4 * end] if isinstance(ids, bytes) else ids[:end]
 
 
-def validate_key(key: IPCCacheServerKey, *, chunk_aligned: bool, chunk_size: int) -> None:
-    """Raise RequestError(INVALID_ARGUMENT) naming the bad value and the fix."""
+def validate_key(
+    key: IPCCacheServerKey, *, chunk_aligned: bool, chunk_size: int, partial: bool = False
+) -> None:
+    """Raise RequestError(INVALID_ARGUMENT) naming the bad value and the fix. ``partial``
+    (``FEATURE_PARTIAL_CHUNK``) lets an aligned key end inside a chunk (its tail)."""
 
     def bad(msg: str) -> RequestError:
         return RequestError(ErrorCode.INVALID_ARGUMENT, msg)
@@ -504,7 +520,7 @@ def validate_key(key: IPCCacheServerKey, *, chunk_aligned: bool, chunk_size: int
             f"token range [{key.start}, {key.end}) is outside the {n} token_ids; "
             "use 0 <= start <= end <= len(token_ids)"
         )
-    if chunk_aligned and (key.start % chunk_size or key.end % chunk_size):
+    if chunk_aligned and (key.start % chunk_size or (key.end % chunk_size and not partial)):
         raise bad(
             f"token range [{key.start}, {key.end}) is not aligned to chunk_size {chunk_size}; "
             "align start and end to whole chunks"

@@ -265,7 +265,7 @@ class MPCacheServer:
             args = self._decode_args(spec, payloads, fail)
             if args is None:
                 return
-            enabled = frozenset(f for f in args[0] if f in P.SUPPORTED_FEATURES)
+            enabled = frozenset(f for f in args[0] if f in P.OFFERED_FEATURES)
             self._features[peer] = enabled
             reply(sorted(enabled))
             return

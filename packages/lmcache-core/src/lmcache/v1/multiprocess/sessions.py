@@ -40,6 +40,15 @@ class LookupJob:
         self.handle: Any = None
         self.rows: list[list[Any]] = []
         self.deferred_frees: list[tuple[int, int]] = []  # (first, last) chunk ranges
+        # FEATURE_PARTIAL_CHUNK: what the tail probe needs (see SessionKeys._probe_tail), and
+        # the tokens of the tail that hit after the whole chunks (read-locked like a chunk).
+        self.tail_probe: Any = None
+        self.tail_tokens = 0
+
+    @property
+    def locked_chunks(self) -> int:
+        """Chunks (the tail counting as one) this job's hit read-locked after ``first_chunk``."""
+        return int(self.hit_chunks or 0) + (1 if self.tail_tokens else 0)
 
     def complete(self, hit_chunks: int) -> None:
         with self._lock:

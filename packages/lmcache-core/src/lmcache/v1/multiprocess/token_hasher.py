@@ -67,6 +67,20 @@ def chunk_hashes(
     return out
 
 
+# Appended to a tail's tokens before hashing (with its token count): a whole chunk's hash
+# input is its parent and exactly chunk_size tokens, so no tail can share a whole chunk's key.
+TAIL_TAG = b"lmcache-tail"
+
+
+def tail_hash(parent: bytes, token_bytes: bytes) -> bytes:
+    """The key hash of a tail (docs/design/protocol.md#partial-chunk): the tokens after the
+    last whole chunk (``token_bytes``, uint32 big-endian, fewer than a chunk), chained to
+    that chunk's hash ``parent`` (``NONE_HASH`` for a request shorter than one chunk):
+    ``blake3(parent || tokens || TAIL_TAG || uint32_be(token count))``."""
+    n = len(token_bytes) // 4
+    return blake3(parent + token_bytes + TAIL_TAG + n.to_bytes(4, "big")).digest()
+
+
 def shared_chunks(a: bytes, b: bytes, step: int, limit: int) -> int:
     """How many whole ``step``-byte chunks ``a`` and ``b`` share from the start, at most
     ``limit`` (both hold at least ``limit`` chunks). One comparison when all of them match."""

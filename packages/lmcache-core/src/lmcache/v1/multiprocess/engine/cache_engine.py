@@ -80,7 +80,7 @@ class CacheEngine:
         # The tables others read: the registered workers by id, the sessions.
         self.instances: dict[int, Instance] = self.registry.instances
         self.sessions = self.session_keys.sessions
-        self.features = list(P.SUPPORTED_FEATURES)
+        self.features = list(P.OFFERED_FEATURES)
         self.kv_events = self._build_kv_events(config)
         self.block_allocation_reports = 0
         keys, registry = self.session_keys, self.registry

@@ -13,15 +13,18 @@ from lmcache.v1.multiprocess.metrics import ServerMetrics
 
 
 def chunk_blocks(
-    chunk_size: int, inst: Instance, block_ids: list[list[int]], n_chunks: int
+    chunk_size: int, inst: Instance, block_ids: list[list[int]], n_tokens: int
 ) -> tuple[int, list[int]] | None:
-    """(blocks per chunk, the block ids of ``n_chunks`` chunks) for an lmcache_driven copy,
-    or None when ``block_ids`` holds too few: never copy out of bounds."""
-    bpc = chunk_size // inst.meta["block_size"]
+    """(blocks per chunk, the block ids of ``n_tokens`` tokens: whole chunks, and the blocks
+    of a last partial one) for an lmcache_driven copy, or None when ``block_ids`` holds too
+    few: never copy out of bounds."""
+    bs = inst.meta["block_size"]
+    bpc = chunk_size // bs
+    need = -(-n_tokens // bs)
     ids = list(block_ids[0]) if block_ids else []
-    if len(ids) < n_chunks * bpc:
+    if len(ids) < need:
         return None
-    return bpc, ids[: n_chunks * bpc]
+    return bpc, ids[:need]
 
 
 class HostKVCopier:

@@ -287,7 +287,7 @@ class InstanceRegistry:
                 old.last_seen = time.monotonic()
                 return
             self.drop(inst.instance_id, reason="re-registered")
-        self.layouts.acquire(inst.layout_key, shape, dtype)
+        self.layouts.acquire(inst.layout_key, shape, dtype, int(inst.meta.get("block_size") or 0))
         with self._lock:
             self.instances[inst.instance_id] = inst
 

@@ -37,9 +37,12 @@ class LayoutTable:
         """A snapshot of (key, layout) pairs."""
         return list(self._by_key.items())
 
-    def acquire(self, key: tuple[str, int], shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    def acquire(
+        self, key: tuple[str, int], shape: tuple[int, ...], dtype: torch.dtype, block_size: int = 0
+    ) -> None:
         """One more worker uses the layout ``key`` with this chunk ``shape`` and ``dtype``;
-        a different shape or dtype replaces the layout (keeping its refcount)."""
+        a different shape or dtype replaces the layout (keeping its refcount). ``block_size``
+        is the worker's tokens per engine block (the granularity of tails)."""
         with self._lock:
             lay = self._by_key.get(key)
             if lay is None or lay.shape != shape or lay.dtype != dtype:
@@ -58,6 +61,8 @@ class LayoutTable:
                 lay = Layout(key[0], key[1], shape, dtype, desc, refs)
                 self._by_key[key] = lay
             lay.refcount += 1
+            if block_size > 0:
+                lay.block_size = block_size
 
     def release(self, key: tuple[str, int]) -> None:
         """One worker of the layout ``key`` left."""

@@ -24,6 +24,7 @@ from lmcache.v1.multiprocess.engine.records import (
     kv_device,
     obj_bytes,
     obj_tensor,
+    partial_feature,
     shm_slots,
 )
 from lmcache.v1.multiprocess.protocol import RequestError
@@ -44,13 +45,13 @@ class ReadPath(EnginePath):
         skip_first_n_tokens: int = 0,
     ) -> tuple[bytes, bool]:
         self.registry.require_mode(LMCACHE_DRIVEN)
-        session, keys = self.session_keys.own_keys(key)
+        session, keys = self.session_keys.own_keys(key, partial=partial_feature(ctx))
         self.session_keys.retrieve_begin(session)
         try:
             inst = self.registry.lmcache_driven(instance_id, "lmcache_mp_num_submitted_retrieves")
             if inst is None:
                 return (b"", False)
-            blocks = chunk_blocks(self.cs, inst, block_ids, len(keys))
+            blocks = chunk_blocks(self.cs, inst, block_ids, key.end - key.start)
             objs = self.storage.read_locked(keys)
             if objs is None or blocks is None:
                 self._count_read_failure(inst, len(keys))
@@ -85,7 +86,7 @@ class ReadPath(EnginePath):
         self, ctx: RequestContext, key: P.IPCCacheServerKey, instance_id: int
     ) -> dict[str, Any]:
         inst = self.registry.require(instance_id, ENGINE_DRIVEN)
-        session, keys = self.session_keys.own_keys(key)
+        session, keys = self.session_keys.own_keys(key, partial=partial_feature(ctx))
         self.metrics.inc("lmcache_mp_num_submitted_retrieves", device=HOST_DEVICE)
         lay = self.layouts[inst.layout_key]
         objs = self.storage.read_locked(keys)

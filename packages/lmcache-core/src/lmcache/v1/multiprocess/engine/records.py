@@ -18,7 +18,7 @@ from lmcache.v1.distributed.api import ObjectKey
 from lmcache.v1.multiprocess import protocol as P
 from lmcache.v1.multiprocess.protocol import ErrorCode, RequestError
 from lmcache.v1.multiprocess.sessions import Session
-from lmcache.v1.multiprocess.token_hasher import compute_kv_rank
+from lmcache.v1.multiprocess.token_hasher import compute_kv_rank, tail_hash
 from lmcache.v1.platform.base.ipc_wrapper import dtype_name
 
 ENGINE_DRIVEN = "engine_driven"
@@ -86,6 +86,7 @@ class Layout:
     dtype: torch.dtype
     desc: Any
     refcount: int = 0
+    block_size: int = 0  # the engine's tokens per block (0: unknown); tails are multiples of it
 
     @property
     def nbytes(self) -> int:
@@ -167,6 +168,13 @@ def fan_out_keys(
     ]
 
 
+def tail_keys(
+    key: P.IPCCacheServerKey, parent: bytes, tail_bytes: bytes, ranks: Any = None
+) -> list[Any]:
+    """The ObjectKey of a tail (``tail_hash``) per kv rank, ``ranks`` as in ``fan_out_keys``."""
+    return [row[0] for row in fan_out_keys(key, [tail_hash(parent, tail_bytes)], 0, 1, ranks)]
+
+
 class ObjectKeyCache:
     """The one ObjectKey of each recently seen (hash, model, rank, group, salt), and whole
     rows of them by (chunk hashes, model, rank, salt).
@@ -212,6 +220,11 @@ object_key_cache = ObjectKeyCache()
 
 def codec_feature(ctx: RequestContext) -> bool:
     return P.FEATURE_RAW_PAYLOAD_V1 in ctx.features
+
+
+def partial_feature(ctx: RequestContext) -> bool:
+    """The peer negotiated ``partial_chunk``: its keys may end in a tail."""
+    return P.FEATURE_PARTIAL_CHUNK in ctx.features
 
 
 def obj_bytes(obj: Any, nbytes: int) -> memoryview:

@@ -20,16 +20,23 @@ from lmcache.v1.multiprocess import protocol as P
 from lmcache.v1.multiprocess.config import MPServerConfig
 from lmcache.v1.multiprocess.engine.layouts import LayoutTable
 from lmcache.v1.multiprocess.engine.parker import Parker
-from lmcache.v1.multiprocess.engine.records import PendingRead, RequestContext, fan_out_keys
+from lmcache.v1.multiprocess.engine.records import (
+    PendingRead,
+    RequestContext,
+    fan_out_keys,
+    tail_keys,
+)
 from lmcache.v1.multiprocess.metrics import ServerMetrics
 from lmcache.v1.multiprocess.protocol import ErrorCode, RequestError
 from lmcache.v1.multiprocess.sessions import LookupJob, Session, SessionTable
-from lmcache.v1.multiprocess.storage_bridge import StorageBridge
-from lmcache.v1.multiprocess.token_hasher import PrefixHashMemo, tokens_to_be_bytes
+from lmcache.v1.multiprocess.storage_bridge import LookupOutcome, StorageBridge
+from lmcache.v1.multiprocess.token_hasher import NONE_HASH, PrefixHashMemo, tokens_to_be_bytes
 
 logger = init_logger(__name__)
 # Conditions a busy server may hit many times a second (a full L1, a full session table).
 _limited = RateLimitedLog(logger, interval=10.0)
+# How long a lookup's tail probe waits for L2 in all (FEATURE_PARTIAL_CHUNK).
+TAIL_L2_WAIT_S = 2.0
 
 
 class SessionKeys:
@@ -69,8 +76,8 @@ class SessionKeys:
         self._waiters.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------------ keys
-    def _validate(self, key: P.IPCCacheServerKey, *, aligned: bool) -> None:
-        P.validate_key(key, chunk_aligned=aligned, chunk_size=self.cs)
+    def _validate(self, key: P.IPCCacheServerKey, *, aligned: bool, partial: bool = False) -> None:
+        P.validate_key(key, chunk_aligned=aligned, chunk_size=self.cs, partial=partial)
 
     def _hashes(self, session: Session, key: P.IPCCacheServerKey, end: int) -> list[bytes]:
         try:
@@ -79,11 +86,14 @@ class SessionKeys:
         except ValueError as exc:
             raise RequestError(ErrorCode.INVALID_ARGUMENT, str(exc)) from exc
 
-    def own_keys(self, key: P.IPCCacheServerKey, store: bool = False) -> tuple[Session, list[Any]]:
+    def own_keys(
+        self, key: P.IPCCacheServerKey, store: bool = False, partial: bool = False
+    ) -> tuple[Session, list[Any]]:
         """The session of a store or retrieve and the ObjectKeys of its chunks for the key's
         own rank (``RequestError`` for a misaligned key or one without a worker_id). A
-        ``store`` also goes to ``on_store``."""
-        self._validate(key, aligned=True)
+        ``store`` also goes to ``on_store``. ``partial`` (``FEATURE_PARTIAL_CHUNK``): a key
+        ending inside a chunk has its tail's key last."""
+        self._validate(key, aligned=True, partial=partial)
         if key.worker_id is None:
             raise RequestError(
                 ErrorCode.INVALID_ARGUMENT,
@@ -95,7 +105,12 @@ class SessionKeys:
         first, last = key.start // self.cs, key.end // self.cs
         if store and self.on_store is not None:
             self.on_store(tokens_to_be_bytes(P.token_prefix(key, key.end)), hashes, first, last)
-        return session, fan_out_keys(key, hashes, first, last, [key.worker_id])[0]
+        keys = fan_out_keys(key, hashes, first, last, [key.worker_id])[0]
+        if key.end % self.cs:  # the tail: only a partial_chunk peer's key gets past _validate
+            raw = tokens_to_be_bytes(P.token_prefix(key, key.end))
+            parent = hashes[last - 1] if last else NONE_HASH
+            keys = [*keys, *tail_keys(key, parent, raw[last * self.cs * 4 :], [key.worker_id])]
+        return session, keys
 
     # ------------------------------------------------------------------ lookup
     def lookup(
@@ -107,12 +122,12 @@ class SessionKeys:
     ) -> int | None:
         """Starts the prefetch job; 0.5.6 replies nil. With ``wait_timeout``
         (``FEATURE_LOOKUP_WAIT``) the reply is wait_prefetch_status's answer instead."""
-        self._start_lookup(key)
+        self._start_lookup(key, P.FEATURE_PARTIAL_CHUNK in ctx.features)
         if wait_timeout is None:
             return None
         return self.wait_prefetch_status(ctx, key.request_id, wait_timeout)
 
-    def _start_lookup(self, key: P.IPCCacheServerKey) -> None:
+    def _start_lookup(self, key: P.IPCCacheServerKey, partial: bool = False) -> None:
         if key.num_kv_readers < 1:
             raise RequestError(
                 ErrorCode.INVALID_ARGUMENT,
@@ -159,8 +174,13 @@ class SessionKeys:
             raise
         last = len(hashes)
         self.metrics.inc("lmcache_mp_lookup_requested_tokens", max(0, key.end - key.start), **who)
+        if partial and lay.block_size > 0 and key.end >= first * self.cs + lay.block_size:
+            job.tail_probe = (key, hashes, lay)
         if last <= first:
-            job.complete(0)
+            if job.tail_probe is None:
+                job.complete(0)
+                return
+            self._finish_job(session, job, LookupOutcome(0, 0, 0))
             return
         job.rows = fan_out_keys(key, hashes, first, last, range(key.world_size))
         try:
@@ -201,9 +221,12 @@ class SessionKeys:
         hit = out.hit_chunks
         ranks = max(1, len(job.rows))
         model, _world_size, salt = session.key_info or ("", 0, "")
+        tail_rows: list[Any] = []
+        if job.tail_probe is not None:
+            job.tail_tokens, tail_rows = self._probe_tail(session, job, hit)
         self.metrics.inc_many(
             {
-                "lmcache_mp_lookup_hit_tokens": hit * self.cs,
+                "lmcache_mp_lookup_hit_tokens": hit * self.cs + job.tail_tokens,
                 "lmcache_mp_lookup_hit_l1_keys": out.l1_keys,
                 "lmcache_mp_lookup_hit_l2_keys": out.l2_keys,
                 "lmcache_mp_lookup_hit_l1_tokens": out.l1_keys * self.cs // ranks,
@@ -220,6 +243,10 @@ class SessionKeys:
                     ck = (first_chunk + j, r)
                     shares[ck] = shares.get(ck, 0) + readers
                     share_keys[ck] = row[j]
+            for r, tkey in enumerate(tail_rows):  # the tail is locked as chunk first + hit
+                ck = (first_chunk + hit, r)
+                shares[ck] = shares.get(ck, 0) + readers
+                share_keys[ck] = tkey
             frees, job.deferred_frees = job.deferred_frees, []
         job.complete(hit)
         for first, last in frees:
@@ -229,13 +256,52 @@ class SessionKeys:
 
     def _release_job_locks(self, job: LookupJob, session: Session | None = None) -> None:
         """Release the shares a finished, superseded or orphaned job still holds."""
-        if session is None or not job.rows or job.hit_chunks is None:
+        if session is None or job.hit_chunks is None or not (job.rows or job.tail_tokens):
             return
-        self._free_range(session, job.first_chunk, job.first_chunk + job.hit_chunks)
+        self._free_range(session, job.first_chunk, job.first_chunk + job.locked_chunks)
 
-    def consume(self, session: Session | None) -> int | None:
+    def _probe_tail(self, session: Session, job: LookupJob, hit: int) -> tuple[int, list[Any]]:
+        """``FEATURE_PARTIAL_CHUNK``: after ``hit`` whole chunks, the longest stored tail at
+        the first missing chunk, read-locked on every rank: (its tokens, its key per rank),
+        or (0, []). Candidate lengths are the multiples of the registered block size below
+        a chunk that the lookup's range holds, longest first; L1 answers at once, an L2
+        check of one candidate waits at most ``TAIL_L2_WAIT_S`` in all."""
+        key, hashes, lay = job.tail_probe
+        job.tail_probe = None
+        pos = job.first_chunk + hit  # the first chunk that missed (or the one past the range)
+        room = min(key.end - pos * self.cs, self.cs - 1)
+        bs = lay.block_size
+        if room < bs:
+            return 0, []
+        raw = tokens_to_be_bytes(P.token_prefix(key, pos * self.cs + room))
+        parent = hashes[pos - 1] if pos > 0 else NONE_HASH
+        deadline = time.monotonic() + TAIL_L2_WAIT_S
+        readers = job.num_kv_readers
+        for n in range(room // bs * bs, 0, -bs):
+            keys = tail_keys(key, parent, raw[pos * self.cs * 4 : (pos * self.cs + n) * 4])
+            rows = [[k] for k in keys]
+            try:
+                out = self.storage.lookup_l1_now(rows, readers)
+                if out is None:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        continue
+                    handle = self.storage.submit_lookup(
+                        rows, lay.desc, readers, f"{session.request_id}#tail{n}"
+                    )
+                    self.storage.wait_lookup(handle, left)
+                    out = self.storage.lookup_result(handle, 1)
+            except Exception as exc:
+                logger.error("lookup %s: tail probe failed: %s", session.request_id, exc)
+                return 0, []
+            if out.hit_chunks >= 1:
+                return n, keys
+        return 0, []
+
+    def consume(self, session: Session | None, tokens: bool = False) -> int | None:
         """The hit chunks of the session's lookup, reported once (0 after that, or without a
-        lookup); None while the lookup runs."""
+        lookup); None while the lookup runs. ``tokens`` (``FEATURE_PARTIAL_CHUNK``): the hit
+        in tokens, its tail included."""
         if session is None:
             return 0
         with session.lock:
@@ -246,10 +312,12 @@ class SessionKeys:
                 return None
             job.consumed = True
             session.job = None
+            if tokens:
+                return int(job.hit_chunks or 0) * self.cs + job.tail_tokens
             return int(job.hit_chunks or 0)
 
     def query_prefetch_status(self, ctx: RequestContext, request_id: str) -> int | None:
-        return self.consume(self.sessions.get(request_id))
+        return self.consume(self.sessions.get(request_id), P.FEATURE_PARTIAL_CHUNK in ctx.features)
 
     def wait_prefetch_status(
         self, ctx: RequestContext, request_id: str, timeout: float
@@ -258,13 +326,14 @@ class SessionKeys:
         if session is None or session.job is None:
             return 0
         job = session.job
+        tokens = P.FEATURE_PARTIAL_CHUNK in ctx.features
         if job.is_done:
-            return self.consume(session)
+            return self.consume(session, tokens)
         ctx.defer()
 
         def on_done(_job: LookupJob) -> None:
             if session.job is job:
-                ctx.reply_with(lambda: self.consume(session))
+                ctx.reply_with(lambda: self.consume(session, tokens))
             else:
                 ctx.reply(0)
 
@@ -284,12 +353,12 @@ class SessionKeys:
                 ErrorCode.INVALID_ARGUMENT,
                 f"num_kv_readers must be >= 1 (got {key.num_kv_readers}); the client must set it on free keys",
             )
-        self._validate(key, aligned=True)
+        self._validate(key, aligned=True, partial=P.FEATURE_PARTIAL_CHUNK in ctx.features)
         if key.start == key.end:
             self.sessions.get(key.request_id)  # a no-op, but it still names the session (TTL)
             return None
         session = self.sessions.touch(key.request_id)
-        first, last = key.start // self.cs, key.end // self.cs
+        first, last = key.start // self.cs, -(-key.end // self.cs)  # a tail counts as a chunk
         with session.lock:
             job = session.job
             if job is not None and not job.is_done:

@@ -24,6 +24,7 @@ from lmcache.v1.multiprocess.engine.records import (
     kv_device,
     obj_bytes,
     obj_tensor,
+    partial_feature,
     shm_slots,
 )
 
@@ -74,7 +75,7 @@ class WritePath(EnginePath):
         self, ctx: RequestContext, key: P.IPCCacheServerKey, instance_id: int
     ) -> dict[str, Any]:
         inst = self.registry.require(instance_id, ENGINE_DRIVEN)
-        _session, keys = self.session_keys.own_keys(key, store=True)
+        _session, keys = self.session_keys.own_keys(key, store=True, partial=partial_feature(ctx))
         self.metrics.inc("lmcache_mp_num_submitted_stores", device=HOST_DEVICE)
         res = self._reserve(inst, keys)
         rkey = (key.request_id, key.start, key.end)
@@ -170,8 +171,8 @@ class WritePath(EnginePath):
         inst = self.registry.lmcache_driven(instance_id, "lmcache_mp_num_submitted_stores")
         if inst is None:
             return (b"", False)
-        _session, keys = self.session_keys.own_keys(key, store=True)
-        blocks = chunk_blocks(self.cs, inst, block_ids, len(keys))
+        _session, keys = self.session_keys.own_keys(key, store=True, partial=partial_feature(ctx))
+        blocks = chunk_blocks(self.cs, inst, block_ids, key.end - key.start)
         if blocks is None:
             return (b"", False)
         bpc, ids = blocks

@@ -378,13 +378,17 @@ class EngineDrivenTransferContext(TransferContext):
             self._populate_ok = False
             logger.info("SHM slots are mapped on first write (%s)", exc)
 
+    def _span(self, key: P.IPCCacheServerKey, ids: list[int]) -> tuple[int, list[int]]:
+        """The chunks of ``[key.start, key.end)``, a last partial one (a ``partial_chunk``
+        tail) included, and the block ids that hold its tokens."""
+        n_tokens = key.end - key.start
+        return -(-n_tokens // self.chunk_size), ids[: -(-n_tokens // self.geometry.block_size)]
+
     def submit_store(self, key: P.IPCCacheServerKey, block_ids: Any) -> MPFuture:
-        ids = _flat_ids(block_ids)
         bpc = self.blocks_per_chunk
-        n = (key.end - key.start) // self.chunk_size
+        n, ids = self._span(key, _flat_ids(block_ids))
         reply = self.client.call("prepare_store", key, self.instance_id, timeout=self.timeout)
         ctx = (reply or {}).get("context") or {}
-        ids = ids[: n * bpc]
         if self.mode == "SHM" and "slots" in ctx:
             idx = list(ctx.get("chunk_indices") or [])
             if idx:
@@ -420,9 +424,8 @@ class EngineDrivenTransferContext(TransferContext):
         skip_first_n_tokens: int = 0,
         timeout: float | None = None,
     ) -> MPFuture:
-        ids = _flat_ids(block_ids)
         bpc = self.blocks_per_chunk
-        n = (key.end - key.start) // self.chunk_size
+        n, ids = self._span(key, _flat_ids(block_ids))
         asked = _lease_clock()
         # A synchronous load passes the time it has left: the engine's forward waits on it.
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -471,7 +474,7 @@ class EngineDrivenTransferContext(TransferContext):
                     )
                 scatter_cpu_to_paged_kv(
                     self.kv_caches,
-                    ids[: n * bpc],
+                    ids,
                     chunks,
                     bpc,
                     skip_first_n_tokens,
