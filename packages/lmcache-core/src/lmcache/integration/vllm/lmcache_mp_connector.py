@@ -20,6 +20,13 @@ from lmcache.integration.vllm.kv_events import kv_events_container
 from lmcache.integration.vllm.mp_config import MPConnectorConfig, parse_extra_config
 from lmcache.integration.vllm.mp_ops import LMCacheMPRequestMetadata, LoadStoreOp
 from lmcache.integration.vllm.parallel_strategy import ParallelStrategy
+from lmcache.integration.vllm.step_trace import (
+    SCHEDULER_HOOKS,
+    WORKER_HOOKS,
+    StepTrace,
+    from_env,
+    scheduler_fields,
+)
 from lmcache.integration.vllm.vllm_base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -43,6 +50,8 @@ class LMCacheMPConnectorMetadata(KVConnectorMetadata):
         super().__init__()
         self.requests: list[LMCacheMPRequestMetadata] = list(requests or [])
         self.need_flush_before_forward = need_flush_before_forward
+        # The scheduler's step number, set only while LMCACHE_CONNECTOR_TRACE is on.
+        self.trace_step: int | None = None
 
     def add_request_metadata(self, request_metadata: LMCacheMPRequestMetadata) -> None:
         self.requests.append(request_metadata)
@@ -180,6 +189,14 @@ class LMCacheMPConnector(*_BASES):  # type: ignore[misc]
             )
         else:
             raise ValueError(f"Unknown KVConnectorRole {role!r}: expected SCHEDULER or WORKER")
+        # LMCACHE_CONNECTOR_TRACE (step_trace): unset, no hook is wrapped.
+        self._trace: StepTrace | None = None
+        adapter = self.scheduler_adapter or self.worker_adapter
+        trace = from_env("scheduler" if self.scheduler_adapter is not None else "worker")
+        if trace is not None and adapter is not None:
+            self._trace = trace
+            trace.wrap_hooks(self, SCHEDULER_HOOKS if self.scheduler_adapter else WORKER_HOOKS)
+            trace.wrap_client(adapter.link.client)
 
     # ==============================
     # Worker-side methods
@@ -188,6 +205,11 @@ class LMCacheMPConnector(*_BASES):  # type: ignore[misc]
         worker = self._worker()
         worker.kv_layout = _vllm_kv_layout(self._vllm_config, _kv_device_type(kv_caches))
         worker.register_kv_caches(kv_caches)
+        if self._trace is not None and worker.transfer is not None:
+            context = worker.transfer.context
+            g = context.geometry
+            bytes_per_token = g.num_layers * g.kv_size * g.hidden_dim * g.dtype.itemsize
+            self._trace.wrap_transfers(context, bytes_per_token)
 
     def handle_preemptions(self, kv_connector_metadata: Any) -> None:
         if getattr(kv_connector_metadata, "need_flush_before_forward", False):
@@ -196,6 +218,8 @@ class LMCacheMPConnector(*_BASES):  # type: ignore[misc]
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._metadata()
         if meta is not None:
+            if self._trace is not None:
+                self._trace.set_step(meta.trace_step)
             self._worker().start_load(meta.requests)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -234,6 +258,8 @@ class LMCacheMPConnector(*_BASES):  # type: ignore[misc]
             self.worker_adapter.shutdown()
         if self.scheduler_adapter is not None:
             self.scheduler_adapter.shutdown()
+        if self._trace is not None:
+            self._trace.close()
 
     # ==============================
     # Scheduler-side methods
@@ -250,7 +276,11 @@ class LMCacheMPConnector(*_BASES):  # type: ignore[misc]
 
     def build_connector_meta(self, scheduler_output: Any) -> LMCacheMPConnectorMetadata:
         ops, flush = self._scheduler().build_ops(scheduler_output)
-        return LMCacheMPConnectorMetadata(ops, need_flush_before_forward=flush)
+        meta = LMCacheMPConnectorMetadata(ops, need_flush_before_forward=flush)
+        if self._trace is not None:
+            meta.trace_step = self._trace.step
+            self._trace.note(**scheduler_fields(scheduler_output, ops))
+        return meta
 
     def on_new_request(self, request: Any) -> None:
         self._scheduler().on_new_request(request)
