@@ -93,6 +93,11 @@ def test_on_records_every_step_hook_rpc_and_copy(server, tmp_path, monkeypatch):
 
     summary = summarize(records)
     assert summary["records"] == {"scheduler": len(sched), "worker": len(workers)}
+    answers = summary["counts"]["scheduler"]
+    assert (answers.get("miss"), answers.get("hit")) == (1, 1)
+    assert sum(answers.values()) == len(cold.match_results["cold"]) + len(
+        warm.match_results["warm"]
+    )
     assert summary["rpc"]["scheduler"]["lookup"]["calls"] == 2
     assert summary["rpc"]["scheduler"]["lookup"]["bytes_sent"] > 600 * 4  # the token ids
     store, retrieve = summary["transfers"]["store"], summary["transfers"]["retrieve"]

@@ -267,7 +267,10 @@ class LMCacheMPConnector(*_BASES):  # type: ignore[misc]
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        return self._scheduler().get_num_new_matched_tokens(request, num_computed_tokens)
+        result = self._scheduler().get_num_new_matched_tokens(request, num_computed_tokens)
+        if self._trace is not None:
+            self._trace.count("ask_again" if result[0] is None else "hit" if result[0] else "miss")
+        return result
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         self._scheduler().update_state_after_alloc(

@@ -17,7 +17,9 @@ A record holds what one role did in one step:
   retrieve copy that ended in this step, with its thread (``MainThread``: in the step's
   own path; otherwise a background thread) and ``start`` as ``time.time()``;
 * ``sched`` (scheduler): ``tokens`` scheduled, ``new``/``running`` requests, ``decode``
-  requests (one token), and ``ops``: ``{"RETRIEVE"|"STORE": [ops, tokens]}``.
+  requests (one token), and ``ops``: ``{"RETRIEVE"|"STORE": [ops, tokens]}``;
+* ``counts``: ``{event: n}``, e.g. the scheduler's answers to get_num_new_matched_tokens
+  (``hit``, ``miss``, ``ask_again``: the request waits for a later step).
 
 ``lmcache bench connector-trace PREFIX.*.jsonl`` (:func:`summarize`) prints per-hook and
 per-op totals and percentiles and the slowest steps.
@@ -102,6 +104,7 @@ class StepTrace:
         self._hooks: dict[str, list[float]] = {}
         self._rpc: dict[str, list[float]] = {}
         self._xfer: list[list[Any]] = []
+        self._counts: dict[str, int] = {}
         self._extra: dict[str, Any] = {}
 
     # -- recording -------------------------------------------------------------------
@@ -122,6 +125,10 @@ class StepTrace:
         thread = threading.current_thread().name
         with self._lock:
             self._xfer.append([kind, thread, start, round(seconds * 1e3, 3), tokens, nbytes])
+
+    def count(self, event: str) -> None:
+        with self._lock:
+            self._counts[event] = self._counts.get(event, 0) + 1
 
     def set_step(self, step: int | None) -> None:
         """The step this record belongs to (a worker learns it from the metadata)."""
@@ -147,6 +154,8 @@ class StepTrace:
             }
             if self._xfer:
                 record["xfer"] = self._xfer
+            if self._counts:
+                record["counts"] = self._counts
             self._reset()
             self._step_of_record = None
             self._last_end = now
@@ -331,7 +340,7 @@ def summarize(records: list[dict[str, Any]], slowest: int = 10) -> dict[str, Any
     copies (in the step's path or in the background); the worker steps' wall time, with
     the steps that scheduled decodes apart; and the ``slowest`` worker steps, each with
     the scheduler's view of that step and the background copies that overlapped it."""
-    out: dict[str, Any] = {"records": {}, "hooks": {}, "rpc": {}}
+    out: dict[str, Any] = {"records": {}, "hooks": {}, "rpc": {}, "counts": {}}
     for role in STEP_END:
         recs = [r for r in records if r["role"] == role]
         if not recs:
@@ -354,6 +363,12 @@ def summarize(records: list[dict[str, Any]], slowest: int = 10) -> dict[str, Any
                 acc[0] += n
                 acc[1] += ms
                 acc[2] += b
+        counts: dict[str, int] = {}
+        for r in recs:
+            for event, n in r.get("counts", {}).items():
+                counts[event] = counts.get(event, 0) + n
+        if counts:
+            out["counts"][role] = dict(sorted(counts.items()))
         out["rpc"][role] = {
             op: {
                 "calls": int(n),
@@ -429,6 +444,8 @@ def summarize(records: list[dict[str, Any]], slowest: int = 10) -> dict[str, Any
 def format_summary(summary: dict[str, Any]) -> str:
     """The summary as text: hooks, RPCs, copies, step times, slowest steps."""
     lines = [f"records: {summary.get('records')}"]
+    for role, counts in summary.get("counts", {}).items():
+        lines.append(f"{role} counts: {counts}")
     for role, hooks in summary.get("hooks", {}).items():
         lines.append(f"\n{role} hooks (ms per step):")
         lines.append(f"  {'hook':34} {'calls':>7} {'total':>9} {'p50':>7} {'p99':>7} {'max':>8}")
