@@ -152,6 +152,9 @@ class LMCacheMPConnector(*_BASES):  # type: ignore[misc]
     ``lmcache.mp.port`` (5555) and the other ``lmcache.mp.*`` keys of docs/vllm.md.
     """
 
+    # The step trace (LMCACHE_CONNECTOR_TRACE); None while it is off.
+    _trace: StepTrace | None = None
+
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any):
         super().__init__(vllm_config, role, kv_cache_config)
         self.config: MPConnectorConfig = parse_extra_config(_extra_config(vllm_config))
@@ -190,7 +193,6 @@ class LMCacheMPConnector(*_BASES):  # type: ignore[misc]
         else:
             raise ValueError(f"Unknown KVConnectorRole {role!r}: expected SCHEDULER or WORKER")
         # LMCACHE_CONNECTOR_TRACE (step_trace): unset, no hook is wrapped.
-        self._trace: StepTrace | None = None
         adapter = self.scheduler_adapter or self.worker_adapter
         trace = from_env("scheduler" if self.scheduler_adapter is not None else "worker")
         if trace is not None and adapter is not None:
