@@ -121,7 +121,9 @@ class StepTrace:
             acc[1] += seconds * 1e3
             acc[2] += nbytes
 
-    def add_transfer(self, kind: str, start: float, seconds: float, tokens: int, nbytes: int):
+    def add_transfer(
+        self, kind: str, start: float, seconds: float, tokens: int, nbytes: int
+    ) -> None:
         thread = threading.current_thread().name
         with self._lock:
             self._xfer.append([kind, thread, start, round(seconds * 1e3, 3), tokens, nbytes])
