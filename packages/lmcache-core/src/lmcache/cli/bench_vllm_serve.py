@@ -525,6 +525,16 @@ def _trace_files(args: argparse.Namespace, case: Case) -> list[Path]:
     return sorted(Path(args.trace).glob(f"{case.name}.*.jsonl")) if args.trace else []
 
 
+def process_cpu_s(pid: int) -> float | None:
+    """CPU seconds (user + system) process ``pid`` used so far; None where unknown."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return round((int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"), 2)
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def run_case(case: Case, model: str, args: argparse.Namespace, logs: Path) -> dict[str, Any]:
     for old in _trace_files(args, case):
         old.unlink()
@@ -578,7 +588,10 @@ def run_case(case: Case, model: str, args: argparse.Namespace, logs: Path) -> di
             )
         row = parse_bench_result(json.loads(result_file.read_text()))
         if server is not None:
-            row["server"] = server_figures(server.http_url)
+            row["server"] = {
+                **server_figures(server.http_url),
+                "cpu_s": process_cpu_s(server.proc.pid),
+            }
         if faults:
             row["faults"] = faults
         if args.trace and case.lmcache:
