@@ -87,6 +87,9 @@ class RequestTracker:
     lookup_waited: bool = False
     # No lookup was sent: vLLM's prefix cache held every token we could load.
     lookup_skipped: bool = False
+    # A lookup of this request reached out to the server (before a preemption too): it has
+    # a session there to end.
+    contacted: bool = False
 
     def __post_init__(self) -> None:
         if not self.allocated_block_ids:
@@ -192,6 +195,7 @@ class LMCacheMPSchedulerAdapter:
             t.hit_known, t.lmcache_hit = True, 0
             return
         t.lookup_future = self.link.submit("lookup", t.lookup_key, self.strategy.kv_world_size)
+        t.contacted = True
 
     def _advance_lookup(self, t: RequestTracker) -> None:
         """Move the lookup forward without blocking; sets ``hit_known`` once the result is in."""
@@ -487,6 +491,7 @@ class LMCacheMPSchedulerAdapter:
             self._free_locks(old, old.lmcache_hit)
         fresh = self._new_tracker(old.request)
         fresh.stored_any = old.stored_any
+        fresh.contacted = old.contacted
 
     def _report_block_allocation(self) -> None:
         records, self._new_block_records = self._new_block_records, []
@@ -547,10 +552,11 @@ class LMCacheMPSchedulerAdapter:
             # linger until its TTL). So it ends once vLLM reports the request in
             # finished_sending: every store of it completed on every worker.
             self._end_after_sending.add(rid)
-        elif any(x.lookup_key is not None for x in mine):
+        elif any(x.contacted for x in mine):
             # Also releases, on the server, any lock share a lookup still holds.
             self._end_session(rid)
-        # else: nothing was sent for it (vLLM's prefix cache held it all): no session to end
+        # else: no lookup was sent for it (vLLM's prefix cache held it all, or the server was
+        # unreachable): the server has no session of it to end
         return stored
 
     def _end_session(self, rid: str) -> None:
