@@ -305,9 +305,10 @@ class LMCacheMPSchedulerAdapter:
             return 0, False
         t.lookup_skipped = False
         if t.lookup_key is None and not t.hit_known:
-            if num_computed_tokens >= self._usable(t, self._lookup_end(t)):
+            if 0 < num_computed_tokens >= self._usable(t, self._lookup_end(t)):
                 # vLLM's prefix cache holds every token we could load: nothing to look up
                 # or lock (asked again, with less in vLLM's cache, this looks up after all)
+                self.link.start_heartbeat()  # as a lookup would: the health checks run
                 t.lookup_skipped = True
                 t.vllm_hit = num_computed_tokens
                 return 0, False
