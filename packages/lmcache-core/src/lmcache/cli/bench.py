@@ -1,7 +1,8 @@
 """Benchmarks: kernels (copy ops), l2 (storage adapters), server (MP server), vllm (TTFT
-of a real vLLM), vllm-serve (vLLM's OpenAI server under load).
+of a real vLLM), vllm-serve (vLLM's OpenAI server under load), connector-trace (where vLLM's
+steps spend time in the connector).
 
-``lmcache bench kernels|vllm|vllm-serve`` print JSON results; ``bench l2`` and ``bench server`` print
+``lmcache bench kernels|vllm|vllm-serve|connector-trace`` print JSON results; ``bench l2`` and ``bench server`` print
 LMCache 0.5.6's reports (``--format terminal|json``, ``--output``, ``-q``).
 ``lmcache bench <target> --help`` lists the target's flags.
 """
@@ -38,6 +39,11 @@ BENCH_TARGETS: tuple[Subcommand, ...] = (
         "vllm-serve",
         "lmcache.cli.bench_vllm_serve",
         "vllm serve under vllm bench serve: no cache, vLLM's prefix cache, ours, faults (JSON)",
+    ),
+    Subcommand(
+        "connector-trace",
+        "lmcache.cli.bench_connector_trace",
+        "summarize the connector's step trace (LMCACHE_CONNECTOR_TRACE): hooks, RPCs, steps",
     ),
 )
 

@@ -55,6 +55,7 @@ from typing import Any
 from lmcache.cli.bench_vllm import BenchServer, add_model_arguments, build_model, free_port
 from lmcache.cli.errors import CLIError
 from lmcache.cli.report import add_json_output_arg, print_json_result
+from lmcache.integration.vllm.step_trace import TRACE_ENV, read_records, summarize
 
 VLLM_CLI = "lmcache.integration.vllm.vllm_cli"
 
@@ -177,6 +178,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--timeout", type=float, default=3600.0, help="seconds per case, start-up included"
     )
     p.add_argument("--keep-logs", default=None, help="folder for the vLLM and bench logs")
+    p.add_argument(
+        "--trace",
+        default=None,
+        metavar="DIR",
+        help="record the connector's step trace (LMCACHE_CONNECTOR_TRACE=DIR/<case>) in the "
+        "cases with our cache and add its summary to each case's JSON (`trace`); a case's "
+        "trace files from an earlier run in DIR are replaced",
+    )
     add_json_output_arg(p)
     p.set_defaults(func=run)
 
@@ -283,6 +292,9 @@ def serve_command(
 
 def serve_env(case: Case, args: argparse.Namespace) -> dict[str, str]:
     env = dict(os.environ)
+    env.pop(TRACE_ENV, None)
+    if args.trace and case.lmcache:
+        env[TRACE_ENV] = str(Path(args.trace) / case.name)
     env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(args.reserved_cpus)
     if case.small_kv:
         env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override --kv-cache-memory-bytes
@@ -509,7 +521,23 @@ def server_figures(http_url: str) -> dict[str, Any]:
     }
 
 
+def _trace_files(args: argparse.Namespace, case: Case) -> list[Path]:
+    return sorted(Path(args.trace).glob(f"{case.name}.*.jsonl")) if args.trace else []
+
+
+def process_cpu_s(pid: int) -> float | None:
+    """CPU seconds (user + system) process ``pid`` used so far; None where unknown."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return round((int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"), 2)
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def run_case(case: Case, model: str, args: argparse.Namespace, logs: Path) -> dict[str, Any]:
+    for old in _trace_files(args, case):
+        old.unlink()
     server = BenchServer(args.chunk_size, args.l1_size_gb) if case.lmcache else None
     port = free_port()
     vllm_log = open(logs / f"{case.name}.vllm.log", "wb")  # noqa: SIM115 (closed below)
@@ -560,9 +588,15 @@ def run_case(case: Case, model: str, args: argparse.Namespace, logs: Path) -> di
             )
         row = parse_bench_result(json.loads(result_file.read_text()))
         if server is not None:
-            row["server"] = server_figures(server.http_url)
+            row["server"] = {
+                **server_figures(server.http_url),
+                "cpu_s": process_cpu_s(server.proc.pid),
+            }
         if faults:
             row["faults"] = faults
+        if args.trace and case.lmcache:
+            files = [str(f) for f in _trace_files(args, case)]
+            row["trace"] = {"files": files, **summarize(read_records(files), slowest=5)}
         return row
     finally:
         done.set()

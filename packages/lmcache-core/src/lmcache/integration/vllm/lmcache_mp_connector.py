@@ -20,6 +20,13 @@ from lmcache.integration.vllm.kv_events import kv_events_container
 from lmcache.integration.vllm.mp_config import MPConnectorConfig, parse_extra_config
 from lmcache.integration.vllm.mp_ops import LMCacheMPRequestMetadata, LoadStoreOp
 from lmcache.integration.vllm.parallel_strategy import ParallelStrategy
+from lmcache.integration.vllm.step_trace import (
+    SCHEDULER_HOOKS,
+    WORKER_HOOKS,
+    StepTrace,
+    from_env,
+    scheduler_fields,
+)
 from lmcache.integration.vllm.vllm_base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -43,6 +50,8 @@ class LMCacheMPConnectorMetadata(KVConnectorMetadata):
         super().__init__()
         self.requests: list[LMCacheMPRequestMetadata] = list(requests or [])
         self.need_flush_before_forward = need_flush_before_forward
+        # The scheduler's step number, set only while LMCACHE_CONNECTOR_TRACE is on.
+        self.trace_step: int | None = None
 
     def add_request_metadata(self, request_metadata: LMCacheMPRequestMetadata) -> None:
         self.requests.append(request_metadata)
@@ -176,6 +185,9 @@ class LMCacheMPConnector(*_BASES):  # type: ignore[misc]
     ``lmcache.mp.port`` (5555) and the other ``lmcache.mp.*`` keys of docs/vllm.md.
     """
 
+    # The step trace (LMCACHE_CONNECTOR_TRACE); None while it is off.
+    _trace: StepTrace | None = None
+
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any):
         super().__init__(vllm_config, role, kv_cache_config)
         self.config: MPConnectorConfig = parse_extra_config(_extra_config(vllm_config))
@@ -213,6 +225,13 @@ class LMCacheMPConnector(*_BASES):  # type: ignore[misc]
             )
         else:
             raise ValueError(f"Unknown KVConnectorRole {role!r}: expected SCHEDULER or WORKER")
+        # LMCACHE_CONNECTOR_TRACE (step_trace): unset, no hook is wrapped.
+        adapter = self.scheduler_adapter or self.worker_adapter
+        trace = from_env("scheduler" if self.scheduler_adapter is not None else "worker")
+        if trace is not None and adapter is not None:
+            self._trace = trace
+            trace.wrap_hooks(self, SCHEDULER_HOOKS if self.scheduler_adapter else WORKER_HOOKS)
+            trace.wrap_client(adapter.link.client)
 
     # ==============================
     # Worker-side methods
@@ -222,6 +241,11 @@ class LMCacheMPConnector(*_BASES):  # type: ignore[misc]
         worker.kv_layout = _vllm_kv_layout(self._vllm_config, _kv_device_type(kv_caches))
         worker.failed_on_any_rank = _tp_failed_load_agreement(self.strategy.tp_size)
         worker.register_kv_caches(kv_caches)
+        if self._trace is not None and worker.transfer is not None:
+            context = worker.transfer.context
+            g = context.geometry
+            bytes_per_token = g.num_layers * g.kv_size * g.hidden_dim * g.dtype.itemsize
+            self._trace.wrap_transfers(context, bytes_per_token)
 
     def handle_preemptions(self, kv_connector_metadata: Any) -> None:
         if getattr(kv_connector_metadata, "need_flush_before_forward", False):
@@ -230,6 +254,8 @@ class LMCacheMPConnector(*_BASES):  # type: ignore[misc]
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._metadata()
         if meta is not None:
+            if self._trace is not None:
+                self._trace.set_step(meta.trace_step)
             self._worker().start_load(meta.requests)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -268,6 +294,8 @@ class LMCacheMPConnector(*_BASES):  # type: ignore[misc]
             self.worker_adapter.shutdown()
         if self.scheduler_adapter is not None:
             self.scheduler_adapter.shutdown()
+        if self._trace is not None:
+            self._trace.close()
 
     # ==============================
     # Scheduler-side methods
@@ -275,7 +303,10 @@ class LMCacheMPConnector(*_BASES):  # type: ignore[misc]
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        return self._scheduler().get_num_new_matched_tokens(request, num_computed_tokens)
+        result = self._scheduler().get_num_new_matched_tokens(request, num_computed_tokens)
+        if self._trace is not None:
+            self._trace.count("ask_again" if result[0] is None else "hit" if result[0] else "miss")
+        return result
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         self._scheduler().update_state_after_alloc(
@@ -284,7 +315,11 @@ class LMCacheMPConnector(*_BASES):  # type: ignore[misc]
 
     def build_connector_meta(self, scheduler_output: Any) -> LMCacheMPConnectorMetadata:
         ops, flush = self._scheduler().build_ops(scheduler_output)
-        return LMCacheMPConnectorMetadata(ops, need_flush_before_forward=flush)
+        meta = LMCacheMPConnectorMetadata(ops, need_flush_before_forward=flush)
+        if self._trace is not None:
+            meta.trace_step = self._trace.step
+            self._trace.note(**scheduler_fields(scheduler_output, ops))
+        return meta
 
     def on_new_request(self, request: Any) -> None:
         self._scheduler().on_new_request(request)

@@ -1,9 +1,13 @@
 """Scheduler side of the connector: lookups, hit arithmetic, lock bookkeeping, op emission.
 
 Every request gets a :class:`RequestTracker` that moves
-``PREFETCHING -> WAITING_FOR_LOAD -> READY``. The scheduler is never blocked:
-the lookup is sent without waiting, its status is polled on later calls, and
-while anything is pending the answer is ``(None, True)`` ("ask again"). A hit is
+``PREFETCHING -> WAITING_FOR_LOAD -> READY``. The scheduler is blocked at most
+``LOOKUP_WAIT_S`` per request: the first call sends the lookup and waits that long for
+its result (a server answers in well under a millisecond, and "ask again" costs the
+request a whole engine step: a decode step of the batch or more); after that its status
+is polled on later calls, and while anything is pending the answer is ``(None, True)``
+("ask again"). No lookup is sent for a prompt whose every loadable token vLLM's own
+prefix cache already holds. A hit is
 then loaded synchronously by default (``(n, False)``: the workers copy it before
 the forward of the step that computes the rest of the prompt), or asynchronously
 with ``lmcache.mp.sync_load=false`` (``(n, True)``, as LMCache 0.5.6).
@@ -36,6 +40,9 @@ logger = init_logger(__name__)
 
 # How long request_finished waits for unacked lookup/status replies (spec: at most 1 s).
 FINISH_WAIT_S = 1.0
+# How long the first get_num_new_matched_tokens of a request waits for its lookup result
+# before it answers "ask again" (which delays the request by one engine step).
+LOOKUP_WAIT_S = 0.02
 # At most this many end_session messages wait for a server that does not answer; older ones
 # are dropped (the server's session TTL ends those sessions).
 MAX_OWED_ENDS = 16384
@@ -80,6 +87,13 @@ class RequestTracker:
     # in tokens and lmcache_hit may end in a tail; the prompt's own tail is stored once.
     partial: bool = False
     tail_stored: bool = False
+    # The first call waited (LOOKUP_WAIT_S) for the lookup result; later calls only poll.
+    lookup_waited: bool = False
+    # No lookup was sent: vLLM's prefix cache held every token we could load.
+    lookup_skipped: bool = False
+    # A lookup of this request reached out to the server (before a preemption too): it has
+    # a session there to end.
+    contacted: bool = False
 
     def __post_init__(self) -> None:
         if not self.allocated_block_ids:
@@ -165,13 +179,22 @@ class LMCacheMPSchedulerAdapter:
         self.trackers[t.request_id] = t
         return t
 
+    def _lookup_end(self, t: RequestTracker) -> int:
+        """Where a request's lookup ends: the most the server can hit."""
+        if self.link.partial_chunk:  # whole chunks, then the longest stored tail the prompt holds
+            return len(t.prompt) if len(t.prompt) >= self.hit_alignment else 0
+        return chunk_floor(len(t.prompt), self.chunk_size)
+
+    def _usable(self, t: RequestTracker, hit: int) -> int:
+        """Of a hit of ``hit`` tokens, what vLLM may load: never the prompt's last token (vLLM
+        computes it for the first output), aligned to every group's block size."""
+        usable = min(hit, len(t.prompt) - 1)
+        return usable // self.hit_alignment * self.hit_alignment
+
     def _send_lookup(self, t: RequestTracker) -> None:
         self.link.start_heartbeat()
         t.partial = self.link.partial_chunk
-        if t.partial:  # whole chunks, then the longest stored tail the prompt holds
-            end = len(t.prompt) if len(t.prompt) >= self.hit_alignment else 0
-        else:
-            end = chunk_floor(len(t.prompt), self.chunk_size)
+        end = self._lookup_end(t)
         t.lookup_key = self._key(t, 0, end)
         t.lookup_sent_at = time.monotonic()
         if end == 0:
@@ -180,6 +203,7 @@ class LMCacheMPSchedulerAdapter:
             t.hit_known, t.lmcache_hit = True, 0
             return
         t.lookup_future = self.link.submit("lookup", t.lookup_key, self.strategy.kv_world_size)
+        t.contacted = True
 
     def _advance_lookup(self, t: RequestTracker) -> None:
         """Move the lookup forward without blocking; sets ``hit_known`` once the result is in."""
@@ -212,6 +236,18 @@ class LMCacheMPSchedulerAdapter:
         hit = int(chunks) if t.partial else int(chunks) * self.chunk_size
         t.lmcache_hit = min(hit, t.lookup_key.end)
         t.locks_from, t.locks_held = 0, t.lmcache_hit > 0
+
+    def _wait_for_lookup(self, t: RequestTracker, budget: float) -> None:
+        """Advance the lookup, waiting for its replies for up to ``budget`` seconds in all."""
+        deadline = time.monotonic() + budget
+        while not t.hit_known:
+            fut = t.status_future if t.status_future is not None else t.lookup_future
+            if fut is None or not fut.wait(max(0.0, deadline - time.monotonic())):
+                return
+            self._advance_lookup(t)
+            now = t.status_future if t.status_future is not None else t.lookup_future
+            if now is fut and not t.hit_known:
+                return  # no progress on a reply that came: leave it to later calls
 
     def _send_status(self, t: RequestTracker) -> None:
         if self.config.nonblocking_lookup_status:
@@ -277,12 +313,24 @@ class LMCacheMPSchedulerAdapter:
                 self._abandon(t)
             t.vllm_hit = num_computed_tokens
             return 0, False
-        if t.lookup_key is None:
+        t.lookup_skipped = False
+        if t.lookup_key is None and not t.hit_known:
+            if 0 < num_computed_tokens >= self._usable(t, self._lookup_end(t)):
+                # vLLM's prefix cache holds every token we could load: nothing to look up
+                # or lock (asked again, with less in vLLM's cache, this looks up after all)
+                self.link.start_heartbeat()  # as a lookup would: the health checks run
+                t.lookup_skipped = True
+                t.vllm_hit = num_computed_tokens
+                return 0, False
             self._send_lookup(t)
         if not t.hit_known:
-            self._advance_lookup(t)
-            if not t.hit_known:
-                self._advance_lookup(t)  # a status reply may already be in
+            if not t.lookup_waited:
+                t.lookup_waited = True
+                self._wait_for_lookup(t, LOOKUP_WAIT_S)
+            else:
+                self._advance_lookup(t)
+                if not t.hit_known:
+                    self._advance_lookup(t)  # a status reply may already be in
             if not t.hit_known:
                 if time.monotonic() - t.lookup_sent_at > self.config.lookup_timeout:
                     logger.warning(
@@ -296,9 +344,7 @@ class LMCacheMPSchedulerAdapter:
                     return 0, False
                 return None, True
         t.vllm_hit = num_computed_tokens
-        usable = min(t.lmcache_hit, len(t.prompt) - 1)
-        usable = usable // self.hit_alignment * self.hit_alignment
-        need = max(0, usable - num_computed_tokens)
+        need = max(0, self._usable(t, t.lmcache_hit) - num_computed_tokens)
         return need, need > 0 and not self.config.sync_load
 
     def update_state_after_alloc(
@@ -322,6 +368,9 @@ class LMCacheMPSchedulerAdapter:
             self._free_locks(t, t.lmcache_hit)
         # A tail hit is no whole chunk: the chunk it lies in is stored if the prompt fills it.
         t.num_stored = chunk_floor(t.lmcache_hit, self.chunk_size)
+        if t.lookup_skipped:
+            # what vLLM's prefix cache held was stored when this vLLM computed it
+            t.num_stored = chunk_floor(t.vllm_hit, self.chunk_size)
 
     def _append_blocks(self, t: RequestTracker, block_ids: Any, mode: str) -> None:
         """Track the request's blocks per group.
@@ -462,6 +511,7 @@ class LMCacheMPSchedulerAdapter:
             self._free_locks(old, old.lmcache_hit)
         fresh = self._new_tracker(old.request)
         fresh.stored_any = old.stored_any
+        fresh.contacted = old.contacted
 
     def _report_block_allocation(self) -> None:
         records, self._new_block_records = self._new_block_records, []
@@ -522,9 +572,11 @@ class LMCacheMPSchedulerAdapter:
             # linger until its TTL). So it ends once vLLM reports the request in
             # finished_sending: every store of it completed on every worker.
             self._end_after_sending.add(rid)
-        else:
+        elif any(x.contacted for x in mine):
             # Also releases, on the server, any lock share a lookup still holds.
             self._end_session(rid)
+        # else: no lookup was sent for it (vLLM's prefix cache held it all, or the server was
+        # unreachable): the server has no session of it to end
         return stored
 
     def _end_session(self, rid: str) -> None:

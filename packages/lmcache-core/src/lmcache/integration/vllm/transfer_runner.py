@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from lmcache.integration.vllm.server_link import ServerLink
 from lmcache.utils import init_logger
+from lmcache.v1.cpu_affinity import move_to_spare_cpus
 from lmcache.v1.multiprocess.protocol import RemoteError
 
 if TYPE_CHECKING:
@@ -125,7 +126,12 @@ class TransferRunner:
         self._gen_lock = threading.Lock()
         self._views_lock = threading.Lock()
         self._executor = (
-            cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmcache-transfer")
+            # off the engine's compute cores where vLLM pinned this worker (cpu_affinity)
+            cf.ThreadPoolExecutor(
+                max_workers=1,
+                thread_name_prefix="lmcache-transfer",
+                initializer=move_to_spare_cpus,
+            )
             if self.engine_driven
             else None
         )

@@ -38,6 +38,7 @@ from lmcache.integration.vllm.server_link import ServerLink
 from lmcache.integration.vllm.transfer_runner import DoneFuture, TransferRunner, TransferRunnerSpec
 from lmcache.integration.vllm.vllm_base import KVConnectorTransferResults
 from lmcache.utils import init_logger
+from lmcache.v1 import cpu_affinity
 from lmcache.v1.multiprocess import protocol as P
 from lmcache.v1.multiprocess.protocol import IPCCacheServerKey
 
@@ -93,6 +94,9 @@ class LMCacheMPWorkerAdapter:
         instance_id: int | None = None,
         kv_events: bool = False,
     ) -> None:
+        # Our threads in this process (the client's, the transfer thread, the SHM mapper)
+        # start on the cores vLLM left to the serving framework, not on its compute cores.
+        cpu_affinity.enable()
         self.config = config
         self.model_name = model_name
         self.strategy = strategy

@@ -54,6 +54,7 @@ import msgspec
 import zmq
 
 from lmcache.utils import init_logger
+from lmcache.v1.cpu_affinity import move_to_spare_cpus
 from lmcache.v1.multiprocess import protocol as P
 from lmcache.v1.multiprocess.framing import has_input, recv_frames, send_frames
 from lmcache.v1.multiprocess.protocol import RemoteError
@@ -397,6 +398,7 @@ class _Poller:
         self.wake()
 
     def _run(self) -> None:
+        move_to_spare_cpus()  # an engine worker's: off its compute cores (cpu_affinity)
         while True:
             try:
                 events = self._epoll.poll(0.1)
@@ -948,6 +950,7 @@ class HeartbeatThread(threading.Thread):
         self._stop_event.set()
 
     def run(self) -> None:
+        move_to_spare_cpus()
         while not self._stop_event.is_set():
             start = time.monotonic()
             try:

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from lmcache.utils import init_logger
+from lmcache.v1.cpu_affinity import move_to_spare_cpus
 from lmcache.v1.distributed.page_residency import (
     lower_thread_priority,
     populate_read,
@@ -278,6 +279,7 @@ class EngineDrivenTransferContext(TransferContext):
         keep its memory use growing with L1) and are mapped on first use. Passes repeat every
         0.5 s while the server is still backing its pool (and for a few passes before it
         starts, as when a worker registers right after the server started)."""
+        move_to_spare_cpus()
         lower_thread_priority()
         regions = -(-flat.numel() // _MAP_REGION)
         idle_passes = 0
