@@ -151,10 +151,11 @@ def test_tp2_each_rank_stores_and_loads_its_shard_and_tokens_match_vllm_alone(
     assert same_output(longer, reference["longer"])
     # both ranks of this engine loaded their own two chunks
     assert sorted(loaded_by_worker_since(server, before).values()) == [CHUNKS] * TP
-    # and both stored the longer prompt's third chunk (its load succeeded on every rank)
+    # and both stored the longer prompt's third chunk and its tail [768, 896) up to its last
+    # whole 128-token block (partial_chunk): its load succeeded on every rank
     eventually(
-        lambda: stored_chunks(server.http_url) == TP * (CHUNKS + 1),
-        f"both ranks stored chunk [512, 768) ({TP * (CHUNKS + 1)} chunks in all)",
+        lambda: stored_chunks(server.http_url) == TP * (CHUNKS + 2),
+        f"both ranks stored chunk [512, 768) and the tail ({TP * (CHUNKS + 2)} objects in all)",
         timeout=30,
     )
 

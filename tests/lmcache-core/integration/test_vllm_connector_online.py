@@ -35,6 +35,9 @@ def engines(server):
     made: list[Engine] = []
 
     def make(**kw) -> Engine:
+        # whole chunks only: these tests count chunk ranges; test_vllm_connector_partial.py
+        # covers the partial_chunk tails, on by default
+        kw["extra"] = {"lmcache.mp.partial_chunk": "false", **(kw.get("extra") or {})}
         e = Engine(port=server.port, **kw)
         made.append(e)
         return e
@@ -116,6 +119,27 @@ def test_vllm_prefix_cache_holding_every_loadable_token_skips_the_server(server,
     assert e.match_results["part"][-1] == (256, False)
     assert "lookup" in sent
     assert e.loaded_ok["part"] == 512  # [256, 512) loaded, byte-identical
+
+
+def test_with_partial_chunk_the_skip_needs_vllm_to_hold_the_tail_too(server, engines):
+    """With tails (the default) the server can give up to the prompt's last whole block, so
+    vLLM holding only the whole chunks is no reason to skip the lookup."""
+    partial = {"lmcache.mp.partial_chunk": "true"}
+    prompt = tokens(600, seed=75)
+    cold = engines(extra=partial)
+    cold.add_request("cold", prompt)
+    cold.run()
+    e = engines(extra=partial)
+    sent = spy_ops(e)
+    e.add_request("chunks", prompt, apc_tokens=512)
+    e.run()
+    assert e.match_results["chunks"][-1] == (80, False)  # the tail [512, 592) comes from us
+    assert "lookup" in sent
+    sent.clear()
+    e.add_request("all", prompt, apc_tokens=592)
+    e.run()
+    assert e.match_results["all"] == [(0, False)]
+    assert "lookup" not in sent
 
 
 def test_a_prompt_past_vllm_prefix_cache_still_stores_its_new_chunks(server, engines):
