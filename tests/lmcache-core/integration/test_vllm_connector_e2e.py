@@ -486,6 +486,63 @@ def test_server_restart_degrades_then_reregisters(lmcache_server, engines, shm):
         again.cleanup()
 
 
+def test_a_store_in_flight_when_the_server_dies_does_not_hold_up_recovery(
+    lmcache_server, engines, sigstop
+):
+    """The server is killed while a store waits for its prepare_store reply (mq_timeout at its
+    300 s default): the worker re-registers with the restarted server within a few
+    heartbeats, instead of queueing its re-registration behind that store for 300 s."""
+    import signal
+
+    srv = lmcache_server()
+    # heartbeats slow enough that the store goes out while the link still looks healthy
+    extra = {"lmcache.mp.heartbeat_interval": "8", "lmcache.mp.lookup_timeout": "1"}
+    e = engines(port=srv.port, extra=extra)
+    client = e.workers[0].worker_adapter.link.client
+    prompt = tokens(600, seed=43)
+    again = None
+    try:
+        sigstop(srv.proc.pid)
+        e.add_request("stuck", prompt)
+
+        def store_in_flight() -> bool:
+            with client._pending_lock:
+                return any(f.op == "prepare_store" for f, _ in client._pending.values())
+
+        assert wait_until(store_in_flight, timeout=30, step=e.step)
+        os.kill(srv.proc.pid, signal.SIGKILL)
+        srv.proc.wait(10)
+        again = type(srv)(srv.args, None, srv.port, srv.http_port)  # same ports, empty L1
+        again.wait_ready()
+        adapters = [w.worker_adapter for w in e.workers] + [e.scheduler.scheduler_adapter]
+        worker_ids = {w.worker_adapter.instance_id for w in e.workers}
+
+        def recovered() -> bool:
+            if store_in_flight() or not all(a.healthy for a in adapters):
+                return False
+            status = httpx.get(again.http_url + "/status", timeout=5).json()
+            registered = set(status.get("registered_non_cuda_instance_ids") or []) | set(
+                status.get("registered_gpu_ids") or []
+            )
+            return worker_ids <= {int(i) for i in registered}
+
+        # whether or not a heartbeat missed the outage; a bound far below mq_timeout (300 s)
+        assert wait_until(recovered, timeout=90, step=e.step)
+        e.run()
+        assert e.requests["stuck"].status == "finished" and not e.holding
+        e.add_request("after1", prompt)
+        e.run()
+        e.add_request("after2", prompt)
+        e.run()
+        assert e.match_results["after2"][-1] == (512, e.load_async)
+        assert e.loaded_ok["after2"] == 512
+        assert_no_locks(again)
+    finally:
+        e.close()
+        if again is not None:
+            again.cleanup()
+
+
 def test_lookup_timeout_reports_a_miss_and_frees_late_locks(lmcache_server, engines, sigstop):
     import signal
 

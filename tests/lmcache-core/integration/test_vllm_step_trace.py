@@ -55,13 +55,15 @@ def test_on_records_every_step_hook_rpc_and_copy(server, tmp_path, monkeypatch):
     prefix = tmp_path / "trace" / "run"
     monkeypatch.setenv(TRACE_ENV, str(prefix))
     prompt = tokens(600, seed=42)
-    cold = Engine(port=server.port)
+    # whole chunks only (the counts below); the partial_chunk tails have their own tests
+    whole = {"lmcache.mp.partial_chunk": "false"}
+    cold = Engine(port=server.port, extra=whole)
     try:
         cold.add_request("cold", prompt)
         cold.run()
     finally:
         cold.close()
-    warm = Engine(port=server.port)
+    warm = Engine(port=server.port, extra=whole)
     try:
         warm.add_request("warm", prompt)
         warm.run()

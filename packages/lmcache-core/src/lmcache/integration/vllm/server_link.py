@@ -21,6 +21,14 @@ from lmcache.v1.multiprocess.client import HeartbeatThread, LMCacheTimeoutError,
 
 logger = init_logger(__name__)
 
+# A worker's transfer requests, which the server answers promptly. One still unanswered a
+# whole heartbeat after a later ping was answered was lost: sent to a server that was killed
+# (and perhaps restarted, so the heartbeat never missed a ping). Failing it frees the transfer
+# thread, and the link recovers (re-registers) at once.
+TRANSFER_OPS = frozenset(
+    {"prepare_store", "commit_store", "prepare_retrieve", "commit_retrieve", "store", "retrieve"}
+)
+
 
 class ServerLink:
     def __init__(
@@ -43,6 +51,7 @@ class ServerLink:
         self._lock = threading.Lock()
         self._recover_lock = threading.Lock()
         self._heartbeat: HeartbeatThread | None = None
+        self._answered_mark: int | None = None  # see _fail_lost_transfers
         self.client = MPClient(self.url, default_timeout=config.mq_timeout)
         try:
             self.chunk_size = self._fetch_chunk_size(config.connect_timeout)
@@ -107,8 +116,24 @@ class ServerLink:
                 interval=self.config.heartbeat_interval,
                 on_unhealthy=self._went_unhealthy,
                 on_healthy=self._came_back,
+                on_answered=self._fail_lost_transfers if self.instance_id is not None else None,
             )
             self._heartbeat.start()
+
+    def _fail_lost_transfers(self) -> None:
+        """After an answered ping: fail the transfer requests sent before the previous answered
+        ping that are still unanswered (``TRANSFER_OPS``)."""
+        mark, self._answered_mark = self._answered_mark, self.client.pending_mark()
+        if mark is None:
+            return
+        lost = self.client.abandon_pending(
+            mark, f"no reply from {self.url} while it answered pings (lost)", TRANSFER_OPS
+        )
+        if lost:  # a restarted server does not know this worker: register again now
+            self.mark_unhealthy(
+                f"{lost} transfer request(s) got no reply while the server answered pings "
+                "(restarted?); failed them"
+            )
 
     def mark_unhealthy(self, reason: str) -> None:
         """Degrade at once and start the recovery steps now (e.g. after NOT_REGISTERED).

@@ -228,6 +228,17 @@ class LMCacheMPWorkerAdapter:
         if self.transfer is None:
             return
         self._drain_for_restart()
+        # A transfer waiting for a reply the old server never sent (it was killed with the
+        # request in hand) holds the transfer thread for its whole RPC timeout (mq_timeout,
+        # 300 s by default), and the re-registration below queues behind it: fail those
+        # requests now. A resumed server answered its requests before the ping that brought
+        # us here; the reservations of one it still answers late expire on the server.
+        client = self.link.client
+        abandoned = client.abandon_pending(
+            client.pending_mark(), f"the server at {self.link.url} was unreachable meanwhile"
+        )
+        if abandoned:
+            logger.info("failed %d request(s) left unanswered before the outage", abandoned)
         self.transfer.reregister()
         logger.info("worker instance %d re-registered with %s", self.instance_id, self.link.url)
 

@@ -47,7 +47,7 @@ import os
 import select
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from typing import Any
 
 import msgspec
@@ -849,6 +849,26 @@ class MPClient:
             return self._call_owning_socket(op, payloads, t)
         return self.submit(op, *payloads).result(t)
 
+    def pending_mark(self) -> int:
+        """A mark between the requests sent so far and those sent later (``abandon_pending``)."""
+        return next(self._uids)
+
+    def abandon_pending(self, before: int, reason: str, ops: Container[str] | None = None) -> int:
+        """Fail every request sent before ``before`` (a ``pending_mark``) that still awaits its
+        reply (of ``ops`` only, if given), with ``LMCacheTimeoutError(reason)``: a server that
+        was killed and restarted never answers them, and their callers would otherwise wait
+        out their whole timeout. A late reply to one is dropped. Returns how many failed."""
+        with self._pending_lock:
+            old = [
+                uid
+                for uid, (fut, _) in self._pending.items()
+                if uid < before and (ops is None or fut.op in ops)
+            ]
+            futures = [self._pending.pop(uid)[0] for uid in old]
+        for fut in futures:
+            fut._set(LMCacheTimeoutError(f"{fut.op} (uid {fut.uid}) abandoned: {reason}"))
+        return len(futures)
+
     def pending_count(self) -> int:
         with self._pending_lock:
             return len(self._pending)
@@ -924,7 +944,8 @@ class MPClient:
 
 
 class HeartbeatThread(threading.Thread):
-    """Pings every ``interval`` s; calls ``on_unhealthy()`` / ``on_healthy()`` on transitions.
+    """Pings every ``interval`` s; calls ``on_unhealthy()`` / ``on_healthy()`` on transitions
+    and ``on_answered()`` after every answered ping.
 
     ``instance_id`` None is the scheduler's health check (the server tracks nothing).
     """
@@ -936,6 +957,7 @@ class HeartbeatThread(threading.Thread):
         interval: float = 10.0,
         on_unhealthy: Callable[[], None] | None = None,
         on_healthy: Callable[[], None] | None = None,
+        on_answered: Callable[[], None] | None = None,
     ) -> None:
         super().__init__(name="lmcache-heartbeat", daemon=True)
         self.client = client
@@ -944,6 +966,7 @@ class HeartbeatThread(threading.Thread):
         self.healthy = True
         self._on_unhealthy = on_unhealthy
         self._on_healthy = on_healthy
+        self._on_answered = on_answered  # after every answered ping
         self._stop_event = threading.Event()
 
     def stop(self) -> None:
@@ -957,6 +980,8 @@ class HeartbeatThread(threading.Thread):
                 ok = self.client.ping(self.instance_id, timeout=self.interval)
             except Exception:
                 ok = False
+            if ok and self._on_answered:
+                self._on_answered()
             if ok and not self.healthy:
                 self.healthy = True
                 if self._on_healthy:
