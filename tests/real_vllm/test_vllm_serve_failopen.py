@@ -248,16 +248,25 @@ class Load:
         )
 
 
-def hits(server: BenchServer) -> int:
-    return server_figures(server.http_url)["lookup_hit_tokens"]
+def hits(server: BenchServer) -> tuple[int, int]:
+    """(hit tokens, chunks loaded into vLLM) so far."""
+    f = server_figures(server.http_url)
+    return f["lookup_hit_tokens"], f["chunks_loaded"]
 
 
 def wait_hits_grow(server: BenchServer, load: Load, timeout: float = 120.0) -> None:
-    """Caching works: the server's hit tokens grow while the load runs."""
-    before = hits(server)
+    """Caching works: the server's hit tokens grow while the load runs, and vLLM loads the
+    hits (a hit whose load fails is recomputed: the lookup counter alone would not show it)."""
+    hit_before, loaded_before = hits(server)
     deadline = time.monotonic() + timeout
-    while hits(server) <= before:
-        assert time.monotonic() < deadline, "no new cache hits under load"
+    while True:
+        hit, loaded = hits(server)
+        if hit > hit_before and loaded > loaded_before:
+            return
+        assert time.monotonic() < deadline, (
+            f"no new cache hits loaded under load (hit tokens {hit_before} -> {hit}, "
+            f"chunks loaded {loaded_before} -> {loaded})"
+        )
         time.sleep(0.2)
 
 

@@ -543,6 +543,46 @@ def test_a_store_in_flight_when_the_server_dies_does_not_hold_up_recovery(
             again.cleanup()
 
 
+def test_a_restart_between_two_pings_gets_the_features_back(lmcache_server, engines):
+    """The server is killed and restarted between two heartbeats (no ping missed): the new
+    server knows none of the connection's features, so the scheduler enables them again on
+    its next answered ping, and tail hits (partial_chunk: lookup status in tokens) come back."""
+    import signal
+
+    srv = lmcache_server()
+    extra = {"lmcache.mp.heartbeat_interval": "2", "lmcache.mp.partial_chunk": "true"}
+    e = engines(port=srv.port, extra=extra)
+    prompt = tokens(600, seed=44)
+    assert e.scheduler.scheduler_adapter.link.partial_chunk
+    again = None
+    try:
+        os.kill(srv.proc.pid, signal.SIGKILL)
+        srv.proc.wait(10)
+        again = type(srv)(srv.args, None, srv.port, srv.http_port)  # same ports, empty L1
+        again.wait_ready()
+        seen: list = []
+
+        def tail_hit() -> bool:
+            n = len(seen)
+            e.add_request(f"r{n}", prompt)
+            # the worker meets NOT_REGISTERED and re-registers meanwhile: step until done
+            assert wait_until(
+                lambda: e.requests[f"r{n}"].status == "finished" and not e.holding,
+                timeout=30,
+                step=e.step,
+            )
+            seen.append(e.match_results[f"r{n}"][-1])
+            return seen[-1] == (592, e.load_async)  # two chunks and the tail
+
+        # a bound of several heartbeats, not a speed check
+        assert wait_until(tail_hit, timeout=60), seen
+        assert e.loaded_ok[f"r{len(seen) - 1}"] == 592
+    finally:
+        e.close()
+        if again is not None:
+            again.cleanup()
+
+
 def test_lookup_timeout_reports_a_miss_and_frees_late_locks(lmcache_server, engines, sigstop):
     import signal
 

@@ -116,9 +116,40 @@ class ServerLink:
                 interval=self.config.heartbeat_interval,
                 on_unhealthy=self._went_unhealthy,
                 on_healthy=self._came_back,
-                on_answered=self._fail_lost_transfers if self.instance_id is not None else None,
+                on_answered=self._after_answered_ping,
             )
             self._heartbeat.start()
+
+    def _after_answered_ping(self) -> None:
+        self._refresh_features()
+        if self.instance_id is not None:  # a worker
+            self._fail_lost_transfers()
+
+    def _refresh_features(self) -> None:
+        """Enable this client's features again: the server keeps them per connection, and a
+        server restarted between two pings (the heartbeat saw no outage) starts with none,
+        so replies would no longer mean what this client expects (a lookup status in
+        chunks, not tokens). One small request per heartbeat; none against LMCache 0.5.6."""
+        wanted = self.client.features
+        if not wanted:
+            return
+        try:
+            enabled = self.client.call(
+                "negotiate_features", sorted(wanted), timeout=min(self.config.mq_timeout, 10.0)
+            )
+        except Exception as exc:  # the next ping tries again
+            logger.debug("re-enabling features on %s failed: %s", self.url, exc)
+            return
+        if frozenset(enabled or []) != wanted:
+            logger.warning(
+                "LMCache %s: the server at %s enables %s of this client's features %s "
+                "(restarted with other settings?); using what it enables",
+                self.role,
+                self.url,
+                sorted(enabled or []),
+                sorted(wanted),
+            )
+            self.client.features = frozenset(enabled or [])
 
     def _fail_lost_transfers(self) -> None:
         """After an answered ping: fail the transfer requests sent before the previous answered
