@@ -34,7 +34,7 @@ from lmcache.integration.vllm.mp_config import MPConnectorConfig
 from lmcache.integration.vllm.mp_ops import LMCacheMPRequestMetadata
 from lmcache.integration.vllm.parallel_strategy import ParallelStrategy
 from lmcache.integration.vllm.scheduler_adapter import check_chunk_size
-from lmcache.integration.vllm.server_link import ServerLink
+from lmcache.integration.vllm.server_link import TRANSFER_OPS, ServerLink
 from lmcache.integration.vllm.transfer_runner import DoneFuture, TransferRunner, TransferRunnerSpec
 from lmcache.integration.vllm.vllm_base import KVConnectorTransferResults
 from lmcache.utils import init_logger
@@ -235,7 +235,9 @@ class LMCacheMPWorkerAdapter:
         # us here; the reservations of one it still answers late expire on the server.
         client = self.link.client
         abandoned = client.abandon_pending(
-            client.pending_mark(), f"the server at {self.link.url} was unreachable meanwhile"
+            client.pending_mark(),
+            f"the server at {self.link.url} was unreachable meanwhile",
+            TRANSFER_OPS,  # the transfer thread's; a KV-event subscription retries by itself
         )
         if abandoned:
             logger.info("failed %d request(s) left unanswered before the outage", abandoned)
