@@ -168,6 +168,27 @@ def test_write_ttl_expiry_paths():
         l1.close()
 
 
+@pytest.mark.parametrize("finish", ["finish_write", "finish_write_and_reserve_read"])
+def test_an_expired_reservation_is_reported_gone_to_listeners(finish):
+    """Trackers learn of a key at reserve_write; when its reservation expired before the
+    finish, both finishes tell them it is gone (else an eviction or prefetch tracker keeps a
+    key L1 no longer has)."""
+    l1 = make_l1(write_ttl=0.05)
+    try:
+        rec = Recorder()
+        l1.register_listener(rec)
+        k = key(1)
+        l1.reserve_write([k], [True], LAYOUT, tag="prefetch:3")
+        time.sleep(0.08)  # the reservation expires
+        result = getattr(l1, finish)([k], tag="prefetch:3")[k]
+        err = result[0] if isinstance(result, tuple) else result
+        assert err is L1Error.KEY_IN_WRONG_STATE
+        assert ("on_l1_keys_deleted_by_manager", [k]) in rec.events
+        assert l1.get_memory_usage()[0] == 0 and not l1.contains(k)
+    finally:
+        l1.close()
+
+
 def test_expired_read_lock_is_reclaimed():
     l1 = make_l1(read_ttl=0.5)
     try:

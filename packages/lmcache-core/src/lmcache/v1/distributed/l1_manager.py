@@ -325,14 +325,19 @@ class L1Manager(L1ManagerInterface):
         out: dict[ObjectKey, L1OperationResult] = {}
         with self._mu:
             done: list[ObjectKey] = []
+            expired: list[ObjectKey] = []
             for key, err, st in self._take_each_staged(keys, tag):
                 if st is None:
                     out[key] = (err, None)
+                    if err is L1Error.KEY_IN_WRONG_STATE:
+                        expired.append(key)
                     continue
                 entry, _ = self._make_resident(key, st)
                 out[key] = entry.lock_for_read(n)
                 done.append(key)
             self._fire("on_l1_keys_finish_write_and_reserve_read", done)
+            # as in finish_write: trackers told of the reservation forget what expired
+            self._fire("on_l1_keys_deleted_by_manager", self._gone(expired))
         return out
 
     def finish_write_and_delete(
