@@ -211,3 +211,58 @@ def test_the_runner_module_never_imports_the_adapter():
     } | {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
     assert "lmcache.integration.vllm.server_link" in imported  # the walk sees the imports
     assert not {m for m in imported if m and "adapter" in m}, imported
+
+
+@pytest.mark.parametrize(
+    "mode, shm",
+    [("engine_driven", True), ("engine_driven", False), ("lmcache_driven", False)],
+)
+def test_a_retrieve_given_up_on_never_writes_into_the_blocks(lmcache_server, sigstop, mode, shm):
+    """The worker stops waiting for a retrieve (its retrieve_timeout, or the server looked
+    dead) and vLLM may give the blocks to another request. A server that answers after that
+    must not get its chunk copied into them: engine_driven, the worker's own transfer thread
+    would copy (the copy gate stops it); lmcache_driven, the server would (the deadline sent
+    with the retrieve stops it)."""
+    import signal
+
+    args = ("--shm-name", f"trgone{os.getpid()}") if shm else ()
+    srv = lmcache_server(*args)
+    instance_id = next(_ids)
+    model = f"runner-gone-{mode}-{instance_id}"
+    link = ServerLink(
+        MPConnectorConfig(host="tcp://127.0.0.1", port=srv.port, mq_timeout=60.0),
+        role="worker (test)",
+        instance_id=instance_id,
+    )
+    kv = vllm_kv_caches()
+    runner = TransferRunner(link, kv, spec_for(model, instance_id, mode))
+    try:
+        tokens = [(instance_id * 1000 + i) % 30000 for i in range(link.chunk_size)]
+        block_ids = list(range(1, 1 + len(tokens) // BLOCK))
+        assert runner.submit_store(key(model, tokens, "store"), [block_ids]).result(20)
+        assert runner.flush(20)
+        hit = link.chunk_size if link.partial_chunk else 1
+        assert link.client.lookup_hits(key(model, tokens, "load", worker_id=None), 10.0) == hit
+
+        sigstop(srv.proc.pid)
+        load = runner.submit_retrieve(key(model, tokens, "load"), [block_ids], 0, timeout=1.0)
+        if mode == "lmcache_driven":
+            assert not load.abandon()  # before the deadline the server got, it may still copy
+        assert not load.wait(1.5)  # the stopped server cannot have answered
+        assert load.abandon()  # nothing copies now: the blocks are vLLM's again
+        for t in kv.values():
+            t[:, block_ids] = 7.0  # vLLM gave them to another request
+        os.kill(srv.proc.pid, signal.SIGCONT)
+        assert load.wait(30)  # the resumed server answered
+        assert load.result(0) is False
+        runner.flush(20)
+        for name, t in kv.items():
+            assert bool((t[:, block_ids] == 7.0).all()), f"{name}: a late retrieve wrote into it"
+        if mode == "lmcache_driven":
+            metrics = httpx.get(srv.http_url + "/metrics", timeout=5).text
+            assert 'lmcache_mp_num_late_retrieves_skipped_total{device="cpu"} 1.0' in metrics
+        eventually(lambda: read_locked(srv) == 0, "no read lock left on the server", 20)
+    finally:
+        os.kill(srv.proc.pid, signal.SIGCONT)
+        runner.close(timeout=5)
+        link.close()

@@ -367,6 +367,7 @@ def test_num_kv_readers_zero_rejected(srv, mp):
             "token_ids_u32be",
             "ordered_lookup",
             "lookup_wait",
+            "retrieve_deadline",
         }
         with pytest.raises(RemoteError) as exc:
             c.submit("lookup", k, 1).result(5)

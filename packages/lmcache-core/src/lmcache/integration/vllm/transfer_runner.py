@@ -31,7 +31,9 @@ from typing import TYPE_CHECKING, Any
 from lmcache.integration.vllm.server_link import ServerLink
 from lmcache.utils import init_logger
 from lmcache.v1.cpu_affinity import move_to_spare_cpus
+from lmcache.v1.multiprocess import protocol as P
 from lmcache.v1.multiprocess.protocol import RemoteError
+from lmcache.v1.multiprocess.transfer_context.copy_gate import CopyGate, server_copy_deadline
 
 if TYPE_CHECKING:
     from lmcache.v1.multiprocess.transfer_context.worker_transfer import TransferContext
@@ -45,10 +47,15 @@ ENGINE_DRIVEN_GROUPS_ERROR = (
 
 
 class _ThreadFuture:
-    """query()/wait()/result() over a concurrent future that yields a bool."""
+    """query()/wait()/result() over a concurrent future that yields a bool; ``abandon()``
+    closes the retrieve's copy gate (see ``TransferRunner.submit_retrieve``)."""
 
-    def __init__(self, fut: cf.Future) -> None:
+    def __init__(self, fut: cf.Future, gate: CopyGate | None = None) -> None:
         self._fut = fut
+        self._gate = gate
+
+    def abandon(self) -> bool:
+        return self._gate is None or self._gate.close()
 
     def query(self) -> bool:
         return self._fut.done()
@@ -75,6 +82,31 @@ class DoneFuture:
 
     def result(self, timeout: float | None = None) -> bool:
         return self.ok
+
+    def abandon(self) -> bool:
+        return True
+
+
+class _ServerCopyFuture:
+    """An lmcache_driven transfer: the server copies. A retrieve sent with a deadline
+    (``FEATURE_RETRIEVE_DEADLINE``) can be given up on once that deadline passed: the server
+    starts no copy after it. Without one (a 0.5.6 server) nothing here can stop the server."""
+
+    def __init__(self, fut: Any, copy_deadline: float | None = None) -> None:
+        self._fut = fut
+        self._copy_deadline = copy_deadline
+
+    def query(self) -> bool:
+        return bool(self._fut.query())
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return bool(self._fut.wait(timeout))
+
+    def result(self, timeout: float | None = None) -> bool:
+        return bool(self._fut.result(timeout))
+
+    def abandon(self) -> bool:
+        return self._copy_deadline is None or time.time() > self._copy_deadline
 
 
 @dataclass(frozen=True)
@@ -160,26 +192,54 @@ class TransferRunner:
         inline: bool = False,
         timeout: float | None = None,
     ) -> Any:
-        """``inline``: an engine_driven retrieve runs in the calling thread, after at most the
+        """``timeout``: how long the caller waits for the retrieve (None: no bound).
+
+        ``inline``: an engine_driven retrieve runs in the calling thread, after at most the
         one transfer in progress (not behind every queued store): a synchronous load. It
         then takes ``timeout`` seconds at most in all (None: the context's RPC timeout),
         waiting for that transfer included, and fails (False) past it: the engine's forward
-        waits on it, so a server that stops answering must not hold it for mq_timeout."""
+        waits on it, so a server that stops answering must not hold it for mq_timeout.
+
+        Otherwise the future's ``abandon()`` is how the caller gives up: True once nothing
+        will write into ``block_ids`` any more (vLLM may then reuse them), False while the
+        copy runs (it is local; wait for the future). lmcache_driven: the server copies, and
+        is sent a deadline from ``timeout`` (``FEATURE_RETRIEVE_DEADLINE``) after which it
+        starts no copy; ``abandon()`` is False until that deadline passed. A 0.5.6 server gets
+        no deadline, and ``abandon()`` is True at once (waiting would not stop it)."""
         args = (key, block_ids, skip_first_n_tokens)
-        if inline and self._executor is not None:
+        if self._executor is None:
+            fut = self.context.submit_retrieve(*args, timeout=timeout)
+            # taken after the send: never earlier than the deadline the server got
+            sent_deadline = (
+                timeout is not None and P.FEATURE_RETRIEVE_DEADLINE in self.link.features
+            )
+            return _ServerCopyFuture(fut, server_copy_deadline(timeout) if sent_deadline else None)
+        if inline:
             ok = self._run(self._generation, self.context.submit_retrieve, *args, timeout=timeout)
             return DoneFuture(ok)
-        return self._submit(self.context.submit_retrieve, *args)
+        gate = CopyGate()
+        fut = self._executor.submit(
+            self._run, self._generation, self.context.submit_retrieve, *args, gate=gate
+        )
+        return _ThreadFuture(fut, gate)
 
     def _submit(self, fn: Any, *args: Any) -> Any:
         if self._executor is None:
-            return fn(*args)
+            return _ServerCopyFuture(fn(*args))
         gen = self._generation
         return _ThreadFuture(self._executor.submit(self._run, gen, fn, *args))
 
-    def _run(self, gen: int, fn: Any, *args: Any, timeout: float | None = None) -> bool:
+    def _run(
+        self,
+        gen: int,
+        fn: Any,
+        *args: Any,
+        timeout: float | None = None,
+        gate: CopyGate | None = None,
+    ) -> bool:
         """Run one transfer; ``timeout`` (an inline retrieve's) bounds the wait for the SHM
-        views and is passed on, less that wait, to the transfer."""
+        views and is passed on, less that wait, to the transfer; ``gate`` goes to a
+        retrieve."""
         if gen != self._generation or not self.link.healthy:
             return False  # queued before a restart or while degraded: never executed
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -188,12 +248,13 @@ class TransferRunner:
         if not self._views_lock.acquire(timeout=-1 if timeout is None else timeout):
             logger.warning("transfer failed: the transfer before it still ran after %g s", timeout)
             return False
+        extra: dict[str, Any] = {} if gate is None else {"gate": gate}
         try:
             if gen != self._generation:
                 return False
-            if deadline is None:
-                return bool(fn(*args).result(0))
-            return bool(fn(*args, timeout=max(0.0, deadline - time.monotonic())).result(0))
+            if deadline is not None:
+                extra["timeout"] = max(0.0, deadline - time.monotonic())
+            return bool(fn(*args, **extra).result(0))
         except RemoteError as exc:
             if exc.code == "NOT_REGISTERED":
                 self.link.mark_unhealthy("the server does not know this worker (NOT_REGISTERED)")

@@ -289,8 +289,10 @@ class LMCacheMPWorkerAdapter:
         with self._lock:
             for meta in retrieves:
                 io = self._io_for(meta.request_id)
-                fut = self._submit_retrieve(meta, healthy, inline=False)
-                io.retrieves.append(_Pending(fut, meta.op.all_block_ids(), time.monotonic()))
+                now = time.monotonic()
+                deadline = now + self.config.retrieve_timeout
+                fut = self._submit_retrieve(meta, healthy, inline=False, deadline=deadline)
+                io.retrieves.append(_Pending(fut, meta.op.all_block_ids(), now))
 
     def _submit_retrieve(
         self,
@@ -299,7 +301,8 @@ class LMCacheMPWorkerAdapter:
         inline: bool,
         deadline: float | None = None,
     ) -> Any:
-        """``deadline`` (time.monotonic()): an inline retrieve fails once it is past."""
+        """``deadline`` (time.monotonic()): when the caller stops waiting; an inline retrieve
+        fails once it is past, and nothing writes into the blocks after it."""
         transfer = self.transfer  # None once shut down
         if not healthy or transfer is None:
             return DoneFuture(False)
@@ -414,14 +417,18 @@ class LMCacheMPWorkerAdapter:
                         if not _outcome(p.future):
                             io.retrieve_failed = True
                             self._load_errors.update(p.block_ids)
-                    elif not healthy or now - p.submitted_at > self.config.retrieve_timeout:
+                    elif (
+                        not healthy or now - p.submitted_at > self.config.retrieve_timeout
+                    ) and p.future.abandon():
+                        # abandon(): nothing writes into these blocks any more, so vLLM may
+                        # recompute into them or give them to another request
                         if healthy:
                             self._warn_retrieve_timeout(rid)
                         p.future = DoneFuture(False)
                         io.retrieve_failed = True
                         self._load_errors.update(p.block_ids)
                     else:
-                        done = False
+                        done = False  # still running, or its copy is (local, short)
                 if done:
                     io.retrieves = []
                     recving.add(rid)

@@ -54,6 +54,12 @@ _COUNTERS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
     "lmcache_mp_num_finished_stores": ("store transfers finished", ("device",), ()),
     "lmcache_mp_num_submitted_retrieves": ("retrieve transfers started", ("device",), ()),
     "lmcache_mp_num_finished_retrieves": ("retrieve transfers finished", ("device",), ()),
+    # ours: FEATURE_RETRIEVE_DEADLINE
+    "lmcache_mp_num_late_retrieves_skipped": (
+        "retrieves not copied because they reached the server after the worker's deadline",
+        ("device",),
+        (),
+    ),
     "lmcache_mp_num_chunks_loaded": (
         "chunks handed to engines",
         ("cache_salt", "model_name", "worker_id"),

@@ -95,12 +95,19 @@ FEATURE_LOOKUP_WAIT = "lookup_wait"
 # clients ask for it only where they send such keys (the vLLM connector), so every other
 # client keeps chunk counts. Whole chunks keep 0.5.6's keys and bytes.
 FEATURE_PARTIAL_CHUNK = "partial_chunk"
+# Ours: retrieve (lmcache_driven) takes an optional sixth payload, a deadline in seconds since
+# the epoch (time.time(), the one clock a server and the workers whose memory it maps share
+# across containers). Past it the server answers False without copying: the worker gave up
+# then, and vLLM may have handed those blocks to another request. A client sends it only
+# after negotiating this (docs/design/protocol.md#retrieve-deadline).
+FEATURE_RETRIEVE_DEADLINE = "retrieve_deadline"
 SUPPORTED_FEATURES: tuple[str, ...] = (
     FEATURE_ERROR_REPLIES,
     FEATURE_RAW_PAYLOAD_V1,
     FEATURE_TOKEN_IDS_U32BE,
     FEATURE_ORDERED_LOOKUP,
     FEATURE_LOOKUP_WAIT,
+    FEATURE_RETRIEVE_DEADLINE,
 )
 # Features the server offers that a client enables only by naming them.
 OPT_IN_FEATURES: tuple[str, ...] = (FEATURE_PARTIAL_CHUNK,)
@@ -281,6 +288,7 @@ OPS: tuple[OpSpec, ...] = (
             Param("block_ids", list[list[int]]),
             Param("event_ipc_handle", bytes, b""),
             Param("skip_first_n_tokens", int, 0),
+            Param("deadline", float | None, None),  # FEATURE_RETRIEVE_DEADLINE
         ),
     ),
     # IMPROVE (NORMAL in 0.5.6): lookup never blocks (L2 lookups and loads run on the

@@ -43,7 +43,10 @@ class ReadPath(EnginePath):
         block_ids: list[list[int]],
         event_ipc_handle: bytes = b"",
         skip_first_n_tokens: int = 0,
+        deadline: float | None = None,
     ) -> tuple[bytes, bool]:
+        """``deadline`` (``FEATURE_RETRIEVE_DEADLINE``, time.time()): the worker stops waiting
+        then and vLLM may reuse the blocks, so a copy that has not started by then never does."""
         self.registry.require_mode(LMCACHE_DRIVEN)
         session, keys = self.session_keys.own_keys(key, partial=partial_feature(ctx))
         self.session_keys.retrieve_begin(session)
@@ -57,6 +60,16 @@ class ReadPath(EnginePath):
                 self._count_read_failure(inst, len(keys))
                 return (b"", False)
             bpc, ids = blocks
+            if deadline is not None and time.time() > deadline:
+                logger.warning(
+                    "retrieve of %s for instance %d reached the server %.1f s after its "
+                    "worker's deadline: not copied (the worker has given up on it)",
+                    key.request_id,
+                    instance_id,
+                    time.time() - deadline,
+                )
+                self.metrics.inc("lmcache_mp_num_late_retrieves_skipped", device=kv_device(inst))
+                return (b"", False)
             lay = self.layouts[inst.layout_key]
             self.copier.timed(
                 "lmcache_mp_l0_l1_load_throughput_GB_per_second",

@@ -7,6 +7,8 @@ What each module holds (the layout of LMCache 0.5.6, whose import paths keep wor
                      ``default_mp_transfer_mode()``), ``TransferContext`` (their shared
                      base), ``LMCacheDrivenTransferContext``, ``EngineDrivenTransferContext``,
                      ``ENV_MP_TRANSFER_MODE``, ``MPTransferMode``
+    copy_gate        ``CopyGate`` and ``server_copy_deadline``: nothing writes into KV blocks
+                     after the worker stopped waiting for their retrieve (ours)
     base             0.5.6's import path of the paged-KV copy functions
                      (``compute_kv_layout``, ``gather_paged_kv_to_cpu``,
                      ``scatter_cpu_to_paged_kv``); they live in

@@ -46,6 +46,7 @@ from lmcache.v1.multiprocess.kv_copy import (
     kv_geometry,
     scatter_cpu_to_paged_kv,
 )
+from lmcache.v1.multiprocess.transfer_context.copy_gate import CopyGate, server_copy_deadline
 from lmcache.v1.platform import resolve_device_ops
 from lmcache.v1.platform.base.device_spec import (
     effective_default_mode,
@@ -58,6 +59,7 @@ from lmcache.v1.platform.transfer_mode import (
 )
 
 logger = init_logger(__name__)
+
 
 # 0.5.6's name for the variable that picks the mode when the caller gives none.
 ENV_MP_TRANSFER_MODE = MP_TRANSFER_MODE_ENV_VAR
@@ -158,9 +160,13 @@ class TransferContext:
         block_ids: Any,
         skip_first_n_tokens: int = 0,
         timeout: float | None = None,
+        gate: CopyGate | None = None,
     ) -> MPFuture:
-        """``timeout``: the longest a context that waits for the server in this call (the
-        engine-driven one) may wait in all; None: ``self.timeout`` per RPC."""
+        """``timeout``: how long the caller waits for this retrieve; after it nothing may
+        write into ``block_ids``. The engine-driven context waits for the server at most that
+        long in this call; the lmcache-driven one sends the server a deadline derived from it
+        (``FEATURE_RETRIEVE_DEADLINE``). None: ``self.timeout`` per RPC, no deadline.
+        ``gate`` (engine-driven): the copy into the blocks runs only while it is open."""
         raise NotImplementedError
 
     def unregister(self, timeout: float = 5.0) -> None:
@@ -425,6 +431,7 @@ class EngineDrivenTransferContext(TransferContext):
         block_ids: Any,
         skip_first_n_tokens: int = 0,
         timeout: float | None = None,
+        gate: CopyGate | None = None,
     ) -> MPFuture:
         bpc = self.blocks_per_chunk
         n, ids = self._span(key, _flat_ids(block_ids))
@@ -460,6 +467,9 @@ class EngineDrivenTransferContext(TransferContext):
                 self.mode,
             )
             ok = False
+        if ok and gate is not None and not gate.begin():
+            logger.info("retrieve of %s came after its worker gave up: not copied", key.request_id)
+            ok, gate = False, None
         if ok:
             try:
                 if "slots" in ctx:
@@ -485,6 +495,9 @@ class EngineDrivenTransferContext(TransferContext):
             except (RuntimeError, ValueError, TypeError, IndexError) as exc:
                 logger.error("engine-driven retrieve of %s failed: %s", key.request_id, exc)
                 ok = False
+            finally:
+                if gate is not None:
+                    gate.end()
         lease = float(ctx.get("lease_s") or 0)
         if not ok or _lease_clock() - asked < lease:
             # The server keeps the slots read-locked for the lease even if it drops this worker,
@@ -552,12 +565,20 @@ class LMCacheDrivenTransferContext(TransferContext):
         block_ids: Any,
         skip_first_n_tokens: int = 0,
         timeout: float | None = None,
+        gate: CopyGate | None = None,
     ) -> MPFuture:
-        # asynchronous: the caller bounds its wait on the future itself
-        fut = self.client.submit(
-            "retrieve", key, self.instance_id, [_flat_ids(block_ids)], b"", int(skip_first_n_tokens)
-        )
-        return _ok_of(fut, "retrieve")
+        # Asynchronous: the caller bounds its wait on the future itself. The server copies
+        # into the blocks; told the deadline, it skips a copy the caller no longer waits for.
+        args: list[Any] = [
+            key,
+            self.instance_id,
+            [_flat_ids(block_ids)],
+            b"",
+            int(skip_first_n_tokens),
+        ]
+        if timeout is not None and P.FEATURE_RETRIEVE_DEADLINE in self.client.features:
+            args.append(server_copy_deadline(timeout))
+        return _ok_of(self.client.submit("retrieve", *args), "retrieve")
 
     def unregister(self, timeout: float = 5.0) -> None:
         try:
