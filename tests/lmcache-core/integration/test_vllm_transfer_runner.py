@@ -70,6 +70,18 @@ def spec_for(model: str, instance_id: int, mode: str, *, groups: int = 1) -> Tra
     )
 
 
+def runner_on(srv, model: str, instance_id: int, mode: str, mq_timeout: float):
+    """A worker's link, vLLM KV caches and runner on ``srv``."""
+    link = ServerLink(
+        MPConnectorConfig(host="tcp://127.0.0.1", port=srv.port, mq_timeout=mq_timeout),
+        role="worker (test)",
+        instance_id=instance_id,
+    )
+    kv = vllm_kv_caches()
+    spec = dataclasses.replace(spec_for(model, instance_id, mode), mq_timeout=mq_timeout)
+    return link, kv, TransferRunner(link, kv, spec)
+
+
 def key(model: str, tokens: list[int], rid: str, worker_id: int | None = 0) -> IPCCacheServerKey:
     return IPCCacheServerKey(
         model_name=model,
@@ -95,13 +107,7 @@ def test_a_runner_without_an_adapter_stores_then_retrieves(servers, mode, shm, i
     srv = servers(shm)
     instance_id = next(_ids)
     model = f"runner-{mode}-{shm}-{instance_id}"
-    link = ServerLink(
-        MPConnectorConfig(host="tcp://127.0.0.1", port=srv.port, mq_timeout=20.0),
-        role="worker (test)",
-        instance_id=instance_id,
-    )
-    kv = vllm_kv_caches()
-    runner = TransferRunner(link, kv, spec_for(model, instance_id, mode))
+    link, kv, runner = runner_on(srv, model, instance_id, mode, mq_timeout=20.0)
     try:
         assert runner.mode == transport
         chunks = 2
@@ -138,22 +144,9 @@ def test_an_inline_retrieve_from_a_stopped_server_fails_within_its_timeout(
     instance_id = next(_ids)
     model = f"runner-stopped-{instance_id}"
     mq_timeout = 120.0  # far beyond the retrieve's timeout: a wait on it would show
-    link = ServerLink(
-        MPConnectorConfig(host="tcp://127.0.0.1", port=srv.port, mq_timeout=mq_timeout),
-        role="worker (test)",
-        instance_id=instance_id,
-    )
-    kv = vllm_kv_caches()
-    spec = spec_for(model, instance_id, "engine_driven")
-    runner = TransferRunner(link, kv, dataclasses.replace(spec, mq_timeout=mq_timeout))
+    link, kv, runner = runner_on(srv, model, instance_id, "engine_driven", mq_timeout=mq_timeout)
     try:
-        tokens = [(instance_id * 1000 + i) % 30000 for i in range(link.chunk_size)]
-        block_ids = list(range(1, 1 + len(tokens) // BLOCK))
-        assert runner.submit_store(key(model, tokens, "store"), [block_ids]).result(20)
-        assert runner.flush(20)
-        # the scheduler's lookup: read-locks the chunk for this request's retrieve
-        hit = link.chunk_size if link.partial_chunk else 1  # partial_chunk: in tokens
-        assert link.client.lookup_hits(key(model, tokens, "load", worker_id=None), 10.0) == hit
+        tokens, block_ids = store_and_look_up_one_chunk(runner, link, model, instance_id)
         sigstop(srv.proc.pid)
         if busy:  # a store on the runner's thread, stuck on the stopped server
             runner.submit_store(key(model, tokens, "store-2"), [block_ids])
@@ -173,6 +166,18 @@ def test_an_inline_retrieve_from_a_stopped_server_fails_within_its_timeout(
         os.kill(srv.proc.pid, signal.SIGCONT)
         runner.close(timeout=5)
         link.close()
+
+
+def store_and_look_up_one_chunk(runner, link, model: str, instance_id: int):
+    """Store one chunk, then the scheduler's lookup of it for request "load" (which
+    read-locks it for that request's retrieve); returns its tokens and block ids."""
+    tokens = [(instance_id * 1000 + i) % 30000 for i in range(link.chunk_size)]
+    block_ids = list(range(1, 1 + len(tokens) // BLOCK))
+    assert runner.submit_store(key(model, tokens, "store"), [block_ids]).result(20)
+    assert runner.flush(20)
+    hit = link.chunk_size if link.partial_chunk else 1  # partial_chunk: in tokens
+    assert link.client.lookup_hits(key(model, tokens, "load", worker_id=None), 10.0) == hit
+    return tokens, block_ids
 
 
 def read_locked(srv) -> int:
@@ -229,20 +234,9 @@ def test_a_retrieve_given_up_on_never_writes_into_the_blocks(lmcache_server, sig
     srv = lmcache_server(*args)
     instance_id = next(_ids)
     model = f"runner-gone-{mode}-{instance_id}"
-    link = ServerLink(
-        MPConnectorConfig(host="tcp://127.0.0.1", port=srv.port, mq_timeout=60.0),
-        role="worker (test)",
-        instance_id=instance_id,
-    )
-    kv = vllm_kv_caches()
-    runner = TransferRunner(link, kv, spec_for(model, instance_id, mode))
+    link, kv, runner = runner_on(srv, model, instance_id, mode, mq_timeout=60.0)
     try:
-        tokens = [(instance_id * 1000 + i) % 30000 for i in range(link.chunk_size)]
-        block_ids = list(range(1, 1 + len(tokens) // BLOCK))
-        assert runner.submit_store(key(model, tokens, "store"), [block_ids]).result(20)
-        assert runner.flush(20)
-        hit = link.chunk_size if link.partial_chunk else 1
-        assert link.client.lookup_hits(key(model, tokens, "load", worker_id=None), 10.0) == hit
+        tokens, block_ids = store_and_look_up_one_chunk(runner, link, model, instance_id)
 
         sigstop(srv.proc.pid)
         load = runner.submit_retrieve(key(model, tokens, "load"), [block_ids], 0, timeout=1.0)
