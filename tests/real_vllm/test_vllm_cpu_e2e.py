@@ -125,3 +125,44 @@ def test_server_metrics_show_what_the_real_vllm_runs_stored_and_hit(server):
     assert totals["lmcache_mp_l1_write_chunks_total"] >= 2 * (CACHED_TOKENS // CHUNK)
     assert totals["lmcache_mp_num_chunks_loaded_total"] >= 4 * (CACHED_TOKENS // CHUNK)
     assert totals["lmcache_mp_lookup_hit_tokens_total"] >= 4 * CACHED_TOKENS
+
+
+def test_autostart_starts_the_server_from_vllm_and_it_stops_with_vllm(model_dir, reference):
+    """``lmcache.mp.autostart``: no server is running; vLLM's connector starts one (our
+    ``lmcache server``), stores, hits like vLLM's own prefix cache, and the server stops, its
+    SHM pool unlinked, when the vLLM process is gone."""
+    from testsupport.ports import free_port
+    from testsupport.waiting import eventually
+
+    from lmcache.integration.vllm.server_autostart import answers
+
+    port, http_port = free_port(), free_port()
+    url, http_url = f"tcp://127.0.0.1:{port}", f"http://127.0.0.1:{http_port}"
+    assert not answers(url)
+    prompt = PROMPTS["engine_driven"]
+    args = f"--l1-size-gb 1 --chunk-size {CHUNK} --http-port {http_port}"
+    connector = {
+        "port": port,
+        "extra": {"lmcache.mp.autostart": True, "lmcache.mp.autostart.server_args": args},
+    }
+    cold, hit = run_vllm(
+        model_dir,
+        [
+            {"label": "cold", "tokens": prompt, **GEN},
+            {
+                "label": "hit",
+                "tokens": prompt,
+                **GEN,
+                "wait_stored_chunks": {"http_url": http_url, "at_least": CACHED_TOKENS // CHUNK},
+            },
+        ],
+        connector=connector,
+        server_http=http_url,
+    )
+    assert cold["server"]["num_chunks_loaded"] == 0
+    assert hit["server"]["num_chunks_loaded"] == CACHED_TOKENS // CHUNK
+    assert same_output(hit, reference["engine_driven-hit"])
+    eventually(lambda: not answers(url), "the autostarted server stopped with vLLM", 60)
+    eventually(
+        lambda: not os.path.exists(f"/dev/shm/lmcache_l1_pool_{port}"), "its SHM pool unlinked", 30
+    )

@@ -26,6 +26,35 @@ from lmcache.v1.errors import LMCacheError
 
 __all__ = ["add_server_args", "build_configs", "default_shm_name", "add_arguments", "run"]
 
+PARENT_POLL_S = 1.0
+
+
+def _stop_when_gone(pid: int, server) -> None:
+    """``--parent-pid``: a daemon thread stops ``server`` (uvicorn; the cleanup after it runs
+    as for SIGTERM) once process ``pid`` has exited. When ``pid`` is this server's parent, its
+    exit shows as a new parent (no PID-reuse race); otherwise the PID is polled."""
+    import os
+    import threading
+    import time
+
+    from lmcache.cli.server_flags import process_exists
+    from lmcache.utils import init_logger
+
+    is_parent = os.getppid() == pid
+
+    def gone() -> bool:
+        return os.getppid() != pid if is_parent else not process_exists(pid)
+
+    def watch() -> None:
+        while not gone():
+            time.sleep(PARENT_POLL_S)
+        init_logger(__name__).warning(
+            "process %d (--parent-pid) has exited: lmcache server stopping", pid
+        )
+        server.should_exit = True
+
+    threading.Thread(target=watch, name="lmcache-parent-watch", daemon=True).start()
+
 
 # Its flag table needs the wider help column and the defaults shown.
 HELP_FORMATTER = HelpFormatter
@@ -183,6 +212,8 @@ def run(args: argparse.Namespace) -> int:
         stopped_by: list[int] = []
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda s, _f: stopped_by.append(s))
+        if args.parent_pid is not None:
+            _stop_when_gone(args.parent_pid, server)
         server.run(sockets=[http_sock])
         if stopped_by:
             logger.info("lmcache server stopping (signal %d)", stopped_by[0])

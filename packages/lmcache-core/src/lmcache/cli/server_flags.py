@@ -270,6 +270,14 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     # on the same port reclaims a stale segment); --shm-name "" turns it off as in 0.5.6.
     parser.set_defaults(shm_name=None)
 
+    parser.add_argument(
+        "--parent-pid",
+        type=int,
+        default=None,
+        help="ours: stop cleanly once process PID has exited (the vLLM connector's "
+        "lmcache.mp.autostart passes the process that started the server)",
+    )
+
     h = parser.add_argument_group("HTTP frontend")
     h.add_argument("--http-host", default="127.0.0.1", help="HTTP bind host")
     h.add_argument("--http-port", type=int, default=8080, help="HTTP port")
@@ -457,6 +465,11 @@ def validate_args(args: argparse.Namespace) -> None:
         raise CLIError(
             f"--extra-logging-interval must be positive (got {args.extra_logging_interval})"
         )
+    if args.parent_pid is not None and not process_exists(args.parent_pid):
+        raise CLIError(
+            f"--parent-pid {args.parent_pid}: no such process; give the PID of a running "
+            "process, or drop the flag"
+        )
     if args.shm_name is None:
         args.shm_name = default_shm_name(args)
     shm_name = args.shm_name
@@ -483,6 +496,18 @@ def startup_warnings() -> list[str]:
             "the server does not register with it"
         ]
     return []
+
+
+def process_exists(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
 
 
 def default_shm_name(args: argparse.Namespace) -> str:

@@ -11,6 +11,7 @@ non-default value instead of being ignored silently.
 from __future__ import annotations
 
 import os
+import shlex
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -66,6 +67,36 @@ def _str(key: str, value: Any) -> str:
     return value.strip()
 
 
+# Set by the autostart itself (the endpoint from lmcache.mp.host/port, and the process the
+# server lives with): lmcache.mp.autostart.server_args may not name them. LMCache 0.5.6 refuses
+# the first three, abbreviations included.
+AUTOSTART_RESERVED_FLAGS = ("--host", "--port", "--http-host", "--parent-pid")
+
+
+def _server_args(key: str, value: Any) -> str:
+    """``autostart.server_args``: ``lmcache server`` flags as one shell-quoted string."""
+    if not isinstance(value, str):
+        raise ValueError(
+            f"{PREFIX}{key}={value!r} must be a string of lmcache server flags, "
+            "e.g. '--l1-size-gb 20 --chunk-size 256'"
+        )
+    try:
+        args = shlex.split(value)
+    except ValueError as exc:
+        raise ValueError(f"{PREFIX}{key}={value!r} is not valid shell quoting ({exc})") from None
+    for arg in args:
+        name = arg.split("=", 1)[0]
+        if len(name) <= 2 or not name.startswith("--"):
+            continue
+        for reserved in AUTOSTART_RESERVED_FLAGS:
+            if reserved.startswith(name):
+                raise ValueError(
+                    f"{PREFIX}{key} cannot set {reserved} (given {arg!r}): the autostart sets "
+                    f"it; give the endpoint with {PREFIX}host and {PREFIX}port"
+                )
+    return value
+
+
 def _port(key: str, value: Any) -> int:
     port = _number(key, value, int, positive=True)
     if port > 65535:
@@ -111,6 +142,10 @@ _MUST_KEYS: dict[str, tuple[Any, Callable[[str, Any], Any]]] = {
     "recompute_failed_loads": (True, _bool),
     # Ours: store and reuse a prompt's last, partial chunk (protocol feature partial_chunk).
     "partial_chunk": (True, _bool),
+    # 0.5.6: start a local lmcache server when none answers (server_autostart.py).
+    "autostart": (False, _bool),
+    "autostart.server_args": ("", _server_args),
+    "autostart.wait_timeout": (90.0, lambda k, v: _number(k, v, float, positive=True)),
 }
 
 # Recognised, not implemented yet: accepted only at their default value.
@@ -123,9 +158,6 @@ _LATER_KEYS: dict[str, tuple[Any, Callable[[str, Any], Any]]] = {
     "lazy_offload_threshold": (None, lambda k, v: _number(k, v, float, positive=False)),
     "lazy_offload_select_count": (None, lambda k, v: _number(k, v, int, positive=False)),
     "transfer_intermediate_tensors": (False, _bool),
-    "autostart": (False, _bool),
-    "autostart.server_args": (None, _str),
-    "autostart.wait_timeout": (None, lambda k, v: _number(k, v, float, positive=True)),
 }
 
 # Every key with its default, for documentation and tests.
@@ -163,6 +195,11 @@ class MPConnectorConfig:
     # chunk (floored to vLLM's block size) are stored as a tail object and reused, so hits
     # reach vLLM block granularity instead of whole chunks. False: whole chunks only.
     partial_chunk: bool = True
+    # Start ``lmcache server`` on host/port (a local one) when none answers there, with these
+    # extra flags, and wait this long for it (see docs/vllm.md "Starting the server from vLLM").
+    autostart: bool = False
+    autostart_server_args: str = ""
+    autostart_wait_timeout: float = 90.0
 
     @property
     def server_url(self) -> str:
@@ -193,7 +230,7 @@ def parse_extra_config(extra: Mapping[str, Any] | None) -> MPConnectorConfig:
     values: dict[str, Any] = {}
     for key, (default, parse) in _MUST_KEYS.items():
         raw = extra.get(PREFIX + key)
-        values[key] = default if raw is None else parse(key, raw)
+        values[key.replace(".", "_")] = default if raw is None else parse(key, raw)
     for key, (default, parse) in _LATER_KEYS.items():
         raw = extra.get(PREFIX + key)
         if raw is None:
@@ -232,7 +269,29 @@ def parse_extra_config(extra: Mapping[str, Any] | None) -> MPConnectorConfig:
             )
     elif env:
         _mode("mp_transfer_mode", env)  # fail early on a bad env value
-    return MPConnectorConfig(**values)
+    config = MPConnectorConfig(**values)
+    if config.autostart:
+        autostart_host(config)  # fail at start-up on a host the autostart cannot serve
+    return config
+
+
+LOCAL_HOSTS = ("localhost", "127.0.0.1")
+
+
+def autostart_host(config: MPConnectorConfig) -> str:
+    """The local host an autostarted server binds (``lmcache.mp.host`` without its scheme);
+    ValueError for any other host, as in LMCache 0.5.6 (the connector cannot start a server
+    on another machine)."""
+    scheme, sep, host = config.host.partition("://")
+    if not sep:
+        scheme, host = "tcp", config.host
+    if scheme != "tcp" or host not in LOCAL_HOSTS:
+        raise ValueError(
+            f"{PREFIX}autostart starts the server on this machine, but {PREFIX}host is "
+            f"{config.host!r}: use tcp://localhost or tcp://127.0.0.1, or start 'lmcache "
+            f"server' on that host yourself and drop {PREFIX}autostart"
+        )
+    return host
 
 
 def _split_url(url: str, default_port: int) -> tuple[str, int]:

@@ -1,6 +1,7 @@
 """One adapter's connection to the ``lmcache server``: start-up checks, health, recovery.
 
-Each adapter (scheduler or worker) owns one :class:`ServerLink`. It connects
+Each adapter (scheduler or worker) owns one :class:`ServerLink`. It starts the
+server where ``lmcache.mp.autostart`` asks for it, connects
 the MP client, checks the chunk size, negotiates features, and runs the
 heartbeat. While the server does not answer pings the link is *unhealthy*
 (degraded mode: callers skip the server and nothing blocks the engine). On the
@@ -15,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from lmcache.integration.vllm.mp_config import MPConnectorConfig
+from lmcache.integration.vllm.server_autostart import ensure_server
 from lmcache.utils import init_logger
 from lmcache.v1.multiprocess import protocol as P
 from lmcache.v1.multiprocess.client import HeartbeatThread, LMCacheTimeoutError, MPClient
@@ -52,6 +54,9 @@ class ServerLink:
         self._recover_lock = threading.Lock()
         self._heartbeat: HeartbeatThread | None = None
         self._answered_mark: int | None = None  # see _fail_lost_transfers
+        # lmcache.mp.autostart: the server this link started (None: it was up already, or
+        # autostart is off); it stops by itself once this process exits.
+        self.server_process = ensure_server(config)
         self.client = MPClient(self.url, default_timeout=config.mq_timeout)
         try:
             self.chunk_size = self._fetch_chunk_size(config.connect_timeout)
