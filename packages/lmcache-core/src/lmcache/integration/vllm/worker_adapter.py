@@ -203,7 +203,7 @@ class LMCacheMPWorkerAdapter:
                 P.KV_EVENT_CAPABILITY,
             )
             return None
-        events = WorkerKVEvents(self.link.url, self.instance_id, self.model_name, self.chunk_size)
+        events = WorkerKVEvents(self.link.url, self.instance_id, self.model_name)
         events.start()
         return events
 

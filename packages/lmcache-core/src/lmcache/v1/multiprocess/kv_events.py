@@ -100,22 +100,34 @@ class KVEventLog(StorageKeyListener):
         return self.next_seq - 1
 
     # ------------------------------------------------------------------ recording
-    def bind_tokens(self, raw_tokens: bytes, hashes: list[bytes], first: int, last: int) -> None:
+    def bind_tokens(
+        self,
+        raw_tokens: bytes,
+        hashes: list[bytes],
+        first: int,
+        last: int,
+        tail: bytes | None = None,
+    ) -> None:
         """Remember the tokens (uint32 big-endian ``raw_tokens`` of the whole prefix) and
-        parent of chunks ``first..last-1`` of a store, whose chunk hashes are ``hashes``."""
+        parent of chunks ``first..last-1`` of a store, whose chunk hashes are ``hashes``;
+        ``tail`` is the hash of the store's ``partial_chunk`` tail (the tokens past chunk
+        ``last``, whose parent is chunk ``last - 1``), None without one."""
         if not self.enabled:
             return
         step = 4 * self.chunk_size
         with self.cond:
             for i in range(first, min(last, len(hashes))):
-                h = hashes[i]
-                self._bindings[h] = (
-                    raw_tokens[i * step : (i + 1) * step],
-                    hashes[i - 1] if i else None,
-                )
-                self._bindings.move_to_end(h)
+                self._bind(hashes[i], raw_tokens[i * step : (i + 1) * step], hashes, i)
+            if tail is not None and last <= len(hashes):
+                self._bind(tail, raw_tokens[last * step :], hashes, last)
             while len(self._bindings) > TOKEN_BINDINGS:
                 self._bindings.popitem(last=False)
+
+    def _bind(self, h: bytes, tokens: bytes, hashes: list[bytes], pos: int) -> None:
+        """Bind the block at chunk position ``pos`` (a chunk, or a tail) to its tokens and
+        parent, the chunk before it (None for the first)."""
+        self._bindings[h] = (tokens, hashes[pos - 1] if pos else None)
+        self._bindings.move_to_end(h)
 
     def _append(
         self, kind: str, medium: str, model: str, hashes: tuple[bytes, ...], **kw: Any
@@ -345,4 +357,4 @@ class KVEventStreams:
             )
         self._pub_cursor = batch.next_cursor
         if batch.events:
-            self.publisher.publish(batch.events, self.log.chunk_size)
+            self.publisher.publish(batch.events)

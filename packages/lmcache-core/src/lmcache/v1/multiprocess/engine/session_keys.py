@@ -67,8 +67,9 @@ class SessionKeys:
         self._leased_reads: list[tuple[float, PendingRead]] = []
         self._leases_lock = threading.Lock()
         # Told the tokens and hashes of each store (the KV event log binds them to chunks):
-        # (uint32 big-endian tokens of the prefix, chunk hashes, first chunk, end chunk).
-        self.on_store: Callable[[bytes, list[bytes], int, int], None] | None = None
+        # (uint32 big-endian tokens of the prefix, chunk hashes, first chunk, end chunk,
+        # the hash of the key's partial_chunk tail or None).
+        self.on_store: Callable[[bytes, list[bytes], int, int, bytes | None], None] | None = None
 
     def stop(self) -> None:
         self._stopped.set()
@@ -103,13 +104,16 @@ class SessionKeys:
         hashes = self._hashes(session, key, key.end)
         session.key_info = (key.model_name, key.world_size, key.cache_salt)
         first, last = key.start // self.cs, key.end // self.cs
-        if store and self.on_store is not None:
-            self.on_store(tokens_to_be_bytes(P.token_prefix(key, key.end)), hashes, first, last)
         keys = fan_out_keys(key, hashes, first, last, [key.worker_id])[0]
-        if key.end % self.cs:  # the tail: only a partial_chunk peer's key gets past _validate
+        tail = key.end % self.cs > 0  # only a partial_chunk peer's key gets past _validate
+        raw = b""
+        if tail or (store and self.on_store is not None):
             raw = tokens_to_be_bytes(P.token_prefix(key, key.end))
+        if tail:
             parent = hashes[last - 1] if last else NONE_HASH
             keys = [*keys, *tail_keys(key, parent, raw[last * self.cs * 4 :], [key.worker_id])]
+        if store and self.on_store is not None:
+            self.on_store(raw, hashes, first, last, keys[-1].chunk_hash if tail else None)
         return session, keys
 
     # ------------------------------------------------------------------ lookup
