@@ -22,9 +22,13 @@ BATCH = msgspec.msgpack.Decoder(P.KVEventBatch)
 class Subscriber:
     """A 0.5.6-style stream client on a raw DEALER: subscribe, then ack each batch."""
 
-    def __init__(self, mp, url: str, model: str, instance_id: int = 7, cursor: int = 0):
+    def __init__(
+        self, mp, url: str, model: str, instance_id: int = 7, cursor: int = 0, features=()
+    ):
         self.peer = mp.RawPeer(url)
-        self.uid = msgspec.msgpack.encode(1)
+        if features:  # as our connector's subscriber does; 0.5.6's negotiates nothing
+            assert P.decode(self.peer.request("negotiate_features", list(features))[2])
+        self.uid = msgspec.msgpack.encode(100)
         self.peer.send([self.uid, OP, *(P.encode(v) for v in (instance_id, model, cursor, 1024))])
 
     def next(self, timeout: float = 10.0) -> P.KVEventBatch | None:
@@ -36,6 +40,14 @@ class Subscriber:
             return None
         self.peer.send([self.uid, b"", b"ack"])
         return BATCH.decode(frames[2])
+
+    def poll(self, timeout: float) -> list[P.KVEventRecord]:
+        """The records of the batches that arrive within ``timeout`` of each other."""
+        out: list[P.KVEventRecord] = []
+        while (frames := self.peer.recv(timeout)) is not None and len(frames) > 2:
+            self.peer.send([self.uid, b"", b"ack"])
+            out.extend(BATCH.decode(frames[2]).events)
+        return out
 
     def records(self, want, timeout: float = 20.0) -> list[P.KVEventRecord]:
         """Batches until ``want(records so far)`` holds."""
@@ -160,9 +172,11 @@ def _chunk_and_tail_hashes(tokens: list[int], end: int) -> tuple[bytes, bytes]:
 def test_a_tail_is_one_block_chained_to_its_chunk_and_removed_with_it(lmcache_server, mp):
     srv = lmcache_server()
     c, ctx = _tail_worker(mp, srv, "tail")
-    sub = Subscriber(mp, srv.rpc_url, "tail")
+    sub = Subscriber(mp, srv.rpc_url, "tail", features=[P.FEATURE_PARTIAL_CHUNK])
+    old = Subscriber(mp, srv.rpc_url, "tail", instance_id=8)  # LMCache 0.5.6's connector
     try:
         sub.next()
+        old.next()
         # 400 tokens: one whole chunk and a tail of 144 (9 engine blocks of 16)
         assert ctx.submit_store(mp.key("t", model="tail", end=400), list(range(1, 26))).result(20)
         stored = sub.records(lambda r: len(r) >= 2)
@@ -175,11 +189,15 @@ def test_a_tail_is_one_block_chained_to_its_chunk_and_removed_with_it(lmcache_se
         assert stored[1].parent_block_hash == chunk
         assert P.stored_block_size(stored[1].token_ids, stored[1].block_hashes) == 144
         assert mp.status(srv)["kv_events"]["unbound_stores"] == 0  # the tail was bound too
+        # a subscriber without partial_chunk would announce the tail as a whole chunk: it
+        # gets the whole chunks only
+        assert [r.block_hashes for r in old.records(lambda r: r)] == [[chunk]]
         assert c.call("clear", True) is None
         removed = sub.records(lambda r: r)
         assert removed[0].kind == "removed" and set(removed[0].block_hashes) == {chunk, tail}
     finally:
         sub.close()
+        old.close()
         ctx.close()
         c.close()
 
@@ -187,29 +205,37 @@ def test_a_tail_is_one_block_chained_to_its_chunk_and_removed_with_it(lmcache_se
 def test_evicted_tails_leave_l2_with_a_removal(lmcache_server, mp):
     l2 = {
         "type": "mock",
-        "max_size_gb": 0.0001,
+        "max_size_gb": 0.0001,  # ~100 KiB: three objects of 32 KiB
         "mock_bandwidth_gb": 10.0,
         "eviction": {"eviction_policy": "LRU"},
     }
     srv = lmcache_server("--l2-adapter", json.dumps(l2))
     c, ctx = _tail_worker(mp, srv, "l2tail")
-    sub = Subscriber(mp, srv.rpc_url, "l2tail")
+    sub = Subscriber(mp, srv.rpc_url, "l2tail", features=[P.FEATURE_PARTIAL_CHUNK])
+
+    def store(i: int) -> bytes:  # a chunk and a tail of 64 tokens; the tail's hash
+        toks = [t + 1000 * i for t in mp.TOKENS]
+        k = mp.key(f"s{i}", model="l2tail", tokens=toks, end=320)
+        assert ctx.submit_store(k, list(range(1, 21))).result(20)
+        return _chunk_and_tail_hashes(toks, 320)[1]
+
+    def hashes(records, kind):
+        return {h for r in _kinds(records, kind, "MOCK") for h in r.block_hashes}
+
     try:
         sub.next()
-        tails = set()
-        for i in range(4):  # 4 chunks and 4 tails of 32 KiB into ~100 KiB of L2
-            toks = [t + 1000 * i for t in mp.TOKENS]
-            tails.add(_chunk_and_tail_hashes(toks, 320)[1])
-            k = mp.key(f"s{i}", model="l2tail", tokens=toks, end=320)
-            assert ctx.submit_store(k, list(range(1, 21))).result(20)
-        got = sub.records(
-            lambda r: tails & {h for x in _kinds(r, "removed", "MOCK") for h in x.block_hashes},
-            timeout=30,
-        )
-        l2_tails = [r for r in _kinds(got, "stored", "MOCK") if r.block_hashes[0] in tails]
-        assert l2_tails and all(len(r.token_ids) == 64 for r in l2_tails)
-        evicted = {h for r in _kinds(got, "removed", "MOCK") for h in r.block_hashes}
-        assert evicted & tails <= {r.block_hashes[0] for r in l2_tails}  # announced first
+        tail = store(0)
+        got = sub.records(lambda r: tail in hashes(r, "stored"), timeout=30)
+        stored = next(r for r in _kinds(got, "stored", "MOCK") if r.block_hashes == [tail])
+        assert len(stored.token_ids) == 64 and stored.parent_block_hash is not None
+        # newer prompts fill L2 until its LRU eviction reaches the oldest tail
+        deadline = time.monotonic() + 30
+        i = 1
+        while tail not in hashes(got, "removed"):
+            assert time.monotonic() < deadline, f"the tail never left L2: {got}"
+            store(i)
+            i += 1
+            got += sub.poll(1.0)
     finally:
         sub.close()
         ctx.close()
@@ -485,7 +511,7 @@ def test_worker_events_announce_a_tail_and_withdraw_it(lmcache_server, mp):
 
     srv = lmcache_server()
     c, ctx = _tail_worker(mp, srv, "conntail")
-    events = WorkerKVEvents(srv.rpc_url, 4343, "conntail")
+    events = WorkerKVEvents(srv.rpc_url, 4343, "conntail", tails=True)
     events.start()
     got: list = []
     try:

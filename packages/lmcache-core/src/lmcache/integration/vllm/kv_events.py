@@ -35,7 +35,9 @@ MAX_PENDING = 65536
 class WorkerKVEvents:
     """The subscription of one worker and the events it has for vLLM."""
 
-    def __init__(self, url: str, instance_id: int, model_name: str) -> None:
+    def __init__(self, url: str, instance_id: int, model_name: str, tails: bool = False) -> None:
+        """``tails``: the worker's link negotiated ``partial_chunk``, so the subscription
+        asks for the tails' records too."""
         self._lock = threading.Lock()
         # (kind, medium, hashes, parent, tokens)
         self._pending: collections.deque[tuple[str, str, list[bytes], Any, list[int]]] = (
@@ -43,7 +45,12 @@ class WorkerKVEvents:
         )
         self._announced: dict[str, set[bytes]] = {}
         self._subscriber = KVEventSubscriber(
-            url, instance_id, model_name, self._on_batch, self._on_disabled
+            url,
+            instance_id,
+            model_name,
+            self._on_batch,
+            self._on_disabled,
+            features=(P.FEATURE_PARTIAL_CHUNK,) if tails else (),
         )
 
     def start(self) -> None:

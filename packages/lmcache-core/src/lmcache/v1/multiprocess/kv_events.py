@@ -167,10 +167,15 @@ class KVEventLog(StorageKeyListener):
             self.cond.notify_all()
 
     # ------------------------------------------------------------------ reading
-    def read(self, model_name: str | None, cursor: int, max_events: int) -> KVEventBatch:
+    def read(
+        self, model_name: str | None, cursor: int, max_events: int, tails: bool = True
+    ) -> KVEventBatch:
         """Up to ``max_events`` records of ``model_name`` (None: every model) after
         ``cursor``; ``next_cursor`` is where to resume, ``lost`` says records after
-        ``cursor`` are gone (trimmed, or a cursor of another incarnation)."""
+        ``cursor`` are gone (trimmed, or a cursor of another incarnation). Without
+        ``tails`` the stored records of ``partial_chunk`` tails are left out: a reader
+        that did not negotiate the feature (LMCache 0.5.6's connector) announces every
+        stored record as a whole chunk."""
         if cursor < 0 or max_events <= 0:
             raise ValueError(
                 f"cursor must be >= 0 and max_events > 0 (got cursor={cursor}, "
@@ -188,6 +193,8 @@ class KVEventLog(StorageKeyListener):
             next_cursor = min(cursor, last)
             for rec in itertools.islice(self._log, max(0, cursor + 1 - first), None):
                 next_cursor = rec.seq
+                if not tails and self._is_tail(rec):
+                    continue
                 if model_name is None or rec.model_name == model_name:
                     out.append(rec)
                     if len(out) == max_events:
@@ -199,6 +206,10 @@ class KVEventLog(StorageKeyListener):
             lost=lost,
             events=[r.to_wire() for r in out],  # token ids decoded outside the lock
         )
+
+    def _is_tail(self, rec: _Record) -> bool:
+        """A stored record of a tail: fewer tokens than a chunk."""
+        return rec.kind == KV_EVENT_KIND_STORED and len(rec.tokens) < 4 * self.chunk_size
 
     def status(self, subscribers: int = 0) -> dict[str, Any]:
         """0.5.6's ``/status`` ``kv_events`` block."""
@@ -223,6 +234,7 @@ class _Subscription:
     cursor: int
     max_events: int
     send: Callable[[Any], None]  # one reply frame; None ends the stream
+    tails: bool = False  # the peer negotiated partial_chunk: it gets the tails' records
     credit: bool = True
     first: bool = True
     since: float = field(default_factory=time.monotonic)
@@ -272,14 +284,16 @@ class KVEventStreams:
         model_name: str,
         cursor: int,
         max_events: int,
+        tails: bool = False,
     ) -> None:
-        """Start a stream; one per worker instance (a new one ends the previous one)."""
+        """Start a stream; one per worker instance (a new one ends the previous one).
+        ``tails``: the stream carries the stored records of ``partial_chunk`` tails."""
         if cursor < 0 or not 0 < max_events <= MAX_EVENTS_PER_BATCH:
             raise ValueError(
                 f"cursor must be >= 0 and max_events in [1, {MAX_EVENTS_PER_BATCH}] "
                 f"(got cursor={cursor}, max_events={max_events})"
             )
-        sub = _Subscription(key, instance_id, model_name, cursor, max_events, send)
+        sub = _Subscription(key, instance_id, model_name, cursor, max_events, send, tails)
         ended: list[_Subscription] = []
         with self.log.cond:
             for old in list(self._subs.values()):
@@ -338,7 +352,7 @@ class KVEventStreams:
                 time.sleep(0.1)
 
     def _serve(self, sub: _Subscription) -> None:
-        batch = self.log.read(sub.model_name, sub.cursor, sub.max_events)
+        batch = self.log.read(sub.model_name, sub.cursor, sub.max_events, sub.tails)
         with self.log.cond:
             if self._subs.get(sub.key) is not sub:
                 return
