@@ -27,6 +27,7 @@ from lmcache.integration.vllm.kv_events import WorkerKVEvents, kv_events_contain
 from lmcache.integration.vllm.tiny_model import prompt_token_ids
 
 model_dir = _model_dir  # the same tiny model (built once, cached)
+BLOCK = 32  # vLLM's tokens per block (its CPU attention needs a multiple of 32)
 
 
 class Collector:
@@ -75,11 +76,13 @@ def test_vllm_publishes_what_the_server_stored_through_take_events(model_dir, lm
                     "label": "later",
                     "tokens": prompt_token_ids(300, seed=22),
                     "max_tokens": 8,
-                    "wait_stored_chunks": {"http_url": srv.http_url, "at_least": 2},
+                    # two chunks and the prompt's partial_chunk tail
+                    "wait_stored_chunks": {"http_url": srv.http_url, "at_least": 3},
                 },
             ],
             connector={"port": srv.port, "transfer_mode": "engine_driven"},
             kv_events_config=events_config,
+            block_size=BLOCK,
         )
     finally:
         router.close()
@@ -87,6 +90,10 @@ def test_vllm_publishes_what_the_server_stored_through_take_events(model_dir, lm
     assert [e.token_ids for e in ours[:2]] == [prompt[:CHUNK], prompt[CHUNK : 2 * CHUNK]]
     assert ours[0].block_size == CHUNK and ours[0].parent_block_hash is None
     assert ours[1].parent_block_hash == ours[0].block_hashes[0]
+    # the tail (600 tokens floored to vLLM's block: 576) is one block of its own length,
+    # chained to the second chunk
+    tails = [e for e in ours if e.parent_block_hash == ours[1].block_hashes[0]]
+    assert [(e.block_size, e.token_ids) for e in tails] == [(64, prompt[2 * CHUNK : 576])]
 
 
 def test_connector_events_are_vllms_own_classes():
