@@ -5,6 +5,8 @@
 type in upper case). A stored record carries its chunk's tokens and parent chunk hash, which
 the write path binds to the chunk hash when a store arrives (``bind_tokens``); a chunk
 whose tokens were never bound (loaded from L2 after a restart) is counted, not recorded.
+A ``partial_chunk`` tail is bound and recorded the same way, as one block with fewer
+tokens; only subscriptions of peers that negotiated the feature read its stored records.
 The log keeps the last ``--kv-event-log-size`` records (0 turns events off).
 
 ``KVEventStreams`` serves LMCache 0.5.6's ``subscribe_kv_events`` stream (one batch per
