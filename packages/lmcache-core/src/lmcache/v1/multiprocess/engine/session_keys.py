@@ -276,9 +276,10 @@ class SessionKeys:
     ) -> tuple[int, list[Any], LookupOutcome]:
         """``FEATURE_PARTIAL_CHUNK``: after ``hit`` whole chunks, the longest stored tail at
         the first missing chunk, read-locked on every rank: (its tokens, its key per rank,
-        its lookup outcome: which tier held it), or (0, [], nothing). Candidate lengths are the multiples of the registered block size below
-        a chunk that the lookup's range holds, longest first; L1 answers at once, an L2
-        check of one candidate waits at most ``TAIL_L2_WAIT_S`` in all."""
+        its lookup outcome: which tier held it), or (0, [], nothing). Candidate lengths are
+        the multiples of the registered block size below a chunk that the lookup's range
+        holds, longest first; L1 answers at once, an L2 check of one candidate waits at most
+        ``TAIL_L2_WAIT_S`` in all."""
         key, hashes, lay = job.tail_probe
         job.tail_probe = None
         pos = job.first_chunk + hit  # the first chunk that missed (or the one past the range)
