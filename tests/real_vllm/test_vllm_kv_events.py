@@ -27,6 +27,7 @@ from lmcache.integration.vllm.kv_events import WorkerKVEvents, kv_events_contain
 from lmcache.integration.vllm.tiny_model import prompt_token_ids
 
 model_dir = _model_dir  # the same tiny model (built once, cached)
+BLOCK = 32  # vLLM's tokens per block (its CPU attention needs a multiple of 32)
 
 
 class Collector:
@@ -75,11 +76,13 @@ def test_vllm_publishes_what_the_server_stored_through_take_events(model_dir, lm
                     "label": "later",
                     "tokens": prompt_token_ids(300, seed=22),
                     "max_tokens": 8,
-                    "wait_stored_chunks": {"http_url": srv.http_url, "at_least": 2},
+                    # two chunks and the prompt's partial_chunk tail
+                    "wait_stored_chunks": {"http_url": srv.http_url, "at_least": 3},
                 },
             ],
             connector={"port": srv.port, "transfer_mode": "engine_driven"},
             kv_events_config=events_config,
+            block_size=BLOCK,
         )
     finally:
         router.close()
@@ -87,22 +90,29 @@ def test_vllm_publishes_what_the_server_stored_through_take_events(model_dir, lm
     assert [e.token_ids for e in ours[:2]] == [prompt[:CHUNK], prompt[CHUNK : 2 * CHUNK]]
     assert ours[0].block_size == CHUNK and ours[0].parent_block_hash is None
     assert ours[1].parent_block_hash == ours[0].block_hashes[0]
+    # the tail (600 tokens floored to vLLM's block: 576) is one block of its own length,
+    # chained to the second chunk
+    tails = [e for e in ours if e.parent_block_hash == ours[1].block_hashes[0]]
+    assert [(e.block_size, e.token_ids) for e in tails] == [(64, prompt[2 * CHUNK : 576])]
 
 
 def test_connector_events_are_vllms_own_classes():
     # the worker side hands vLLM its own KVConnectorKVEvents container with vLLM's events
     from vllm.distributed.kv_events import KVConnectorKVEvents
 
-    ev = WorkerKVEvents("tcp://127.0.0.1:1", 77, "m", CHUNK)  # not started: no subscription
+    ev = WorkerKVEvents("tcp://127.0.0.1:1", 77, "m")  # not started: no subscription
     pending = [
         ("stored", "CPU", [b"h1"], None, [1, 2]),
         ("stored", "FS", [b"h1"], None, [1, 2]),
         ("removed", "CPU", [b"h1"], None, []),
+        ("stored", "CPU", [b"t1"], b"h1", [3] * 48),  # a partial_chunk tail after chunk h1
     ]
     ev._pending.extend(pending)
     events = ev.take()
     assert isinstance(events[0], BlockStored) and events[0].medium == "CPU"
     assert events[1].medium == "FS" and isinstance(events[2], BlockRemoved)
+    assert events[0].block_size == 2 and events[3].block_size == 48  # tokens per block
+    assert events[3].parent_block_hash == events[0].block_hashes[0]
     box = kv_events_container(events)
     assert isinstance(box, KVConnectorKVEvents)
     assert box.aggregate().get_all_events() == events
@@ -128,10 +138,20 @@ def test_server_publisher_frames_decode_with_vllms_classes():
             token_ids=[5, 6],
         ),
         P.KVEventRecord(seq=2, kind="removed", medium="FS", model_name="m", block_hashes=[b"a"]),
+        P.KVEventRecord(  # a partial_chunk tail of 16 tokens after chunk a
+            seq=3,
+            kind="stored",
+            medium="CPU",
+            model_name="m",
+            block_hashes=[b"t"],
+            parent_block_hash=b"a",
+            token_ids=list(range(16)),
+        ),
     ]
-    ours = msgspec.msgpack.encode(pub.KVEventBatch(ts=2.0, events=pub.to_vllm_events(records, 2)))
+    ours = msgspec.msgpack.encode(pub.KVEventBatch(ts=2.0, events=pub.to_vllm_events(records)))
     batch = msgspec.msgpack.Decoder(KVEventBatch).decode(ours)
-    stored, removed = batch.events
+    stored, removed, tail = batch.events
     assert isinstance(stored, BlockStored) and stored.token_ids == [5, 6] and stored.medium == "CPU"
+    assert stored.block_size == 2 and tail.block_size == 16 and tail.parent_block_hash == b"a"
     assert isinstance(removed, BlockRemoved) and removed.block_hashes == [b"a"]
     assert json.loads(json.dumps(batch.ts)) == 2.0

@@ -22,9 +22,13 @@ BATCH = msgspec.msgpack.Decoder(P.KVEventBatch)
 class Subscriber:
     """A 0.5.6-style stream client on a raw DEALER: subscribe, then ack each batch."""
 
-    def __init__(self, mp, url: str, model: str, instance_id: int = 7, cursor: int = 0):
+    def __init__(
+        self, mp, url: str, model: str, instance_id: int = 7, cursor: int = 0, features=()
+    ):
         self.peer = mp.RawPeer(url)
-        self.uid = msgspec.msgpack.encode(1)
+        if features:  # as our connector's subscriber does; 0.5.6's negotiates nothing
+            assert P.decode(self.peer.request("negotiate_features", list(features))[2])
+        self.uid = msgspec.msgpack.encode(100)
         self.peer.send([self.uid, OP, *(P.encode(v) for v in (instance_id, model, cursor, 1024))])
 
     def next(self, timeout: float = 10.0) -> P.KVEventBatch | None:
@@ -36,6 +40,14 @@ class Subscriber:
             return None
         self.peer.send([self.uid, b"", b"ack"])
         return BATCH.decode(frames[2])
+
+    def poll(self, timeout: float) -> list[P.KVEventRecord]:
+        """The records of the batches that arrive within ``timeout`` of each other."""
+        out: list[P.KVEventRecord] = []
+        while (frames := self.peer.recv(timeout)) is not None and len(frames) > 2:
+            self.peer.send([self.uid, b"", b"ack"])
+            out.extend(BATCH.decode(frames[2]).events)
+        return out
 
     def records(self, want, timeout: float = 20.0) -> list[P.KVEventRecord]:
         """Batches until ``want(records so far)`` holds."""
@@ -138,6 +150,98 @@ def test_l2_stores_and_evictions_carry_the_l2_medium(lmcache_server, mp):
         c.close()
 
 
+# --------------------------------------------------------------- partial_chunk tails
+PARTIAL = P.SUPPORTED_FEATURES + (P.FEATURE_PARTIAL_CHUNK,)
+
+
+def _tail_worker(mp, srv, model: str):
+    """A worker that negotiated ``partial_chunk`` (as the connector's link does)."""
+    c, ctx = mp.worker(srv.rpc_url, mp.make_kv(num_blocks=64, block_size=16), model=model)
+    assert P.FEATURE_PARTIAL_CHUNK in c.negotiate_default_features(PARTIAL)
+    return c, ctx
+
+
+def _chunk_and_tail_hashes(tokens: list[int], end: int) -> tuple[bytes, bytes]:
+    """The first chunk's hash and the key of the tail ``tokens[256:end]`` after it."""
+    from lmcache.v1.multiprocess.token_hasher import chunk_hashes, tail_hash, tokens_to_be_bytes
+
+    chunk = chunk_hashes(tokens[:256], 256)[0]
+    return chunk, tail_hash(chunk, tokens_to_be_bytes(tokens[256:end]))
+
+
+def test_a_tail_is_one_block_chained_to_its_chunk_and_removed_with_it(lmcache_server, mp):
+    srv = lmcache_server()
+    c, ctx = _tail_worker(mp, srv, "tail")
+    sub = Subscriber(mp, srv.rpc_url, "tail", features=[P.FEATURE_PARTIAL_CHUNK])
+    old = Subscriber(mp, srv.rpc_url, "tail", instance_id=8)  # LMCache 0.5.6's connector
+    try:
+        sub.next()
+        old.next()
+        # 400 tokens: one whole chunk and a tail of 144 (9 engine blocks of 16)
+        assert ctx.submit_store(mp.key("t", model="tail", end=400), list(range(1, 26))).result(20)
+        stored = sub.records(lambda r: len(r) >= 2)
+        chunk, tail = _chunk_and_tail_hashes(mp.TOKENS, 400)
+        assert [(r.kind, r.medium, r.block_hashes) for r in stored] == [
+            ("stored", "CPU", [chunk]),
+            ("stored", "CPU", [tail]),
+        ]
+        assert stored[1].token_ids == mp.TOKENS[256:400]
+        assert stored[1].parent_block_hash == chunk
+        assert P.stored_block_size(stored[1].token_ids, stored[1].block_hashes) == 144
+        assert mp.status(srv)["kv_events"]["unbound_stores"] == 0  # the tail was bound too
+        # a subscriber without partial_chunk would announce the tail as a whole chunk: it
+        # gets the whole chunks only
+        assert [r.block_hashes for r in old.records(lambda r: r)] == [[chunk]]
+        assert c.call("clear", True) is None
+        removed = sub.records(lambda r: r)
+        assert removed[0].kind == "removed" and set(removed[0].block_hashes) == {chunk, tail}
+    finally:
+        sub.close()
+        old.close()
+        ctx.close()
+        c.close()
+
+
+def test_evicted_tails_leave_l2_with_a_removal(lmcache_server, mp):
+    l2 = {
+        "type": "mock",
+        "max_size_gb": 0.0001,  # ~100 KiB: three objects of 32 KiB
+        "mock_bandwidth_gb": 10.0,
+        "eviction": {"eviction_policy": "LRU"},
+    }
+    srv = lmcache_server("--l2-adapter", json.dumps(l2))
+    c, ctx = _tail_worker(mp, srv, "l2tail")
+    sub = Subscriber(mp, srv.rpc_url, "l2tail", features=[P.FEATURE_PARTIAL_CHUNK])
+
+    def store(i: int) -> bytes:  # a chunk and a tail of 64 tokens; the tail's hash
+        toks = [t + 1000 * i for t in mp.TOKENS]
+        k = mp.key(f"s{i}", model="l2tail", tokens=toks, end=320)
+        assert ctx.submit_store(k, list(range(1, 21))).result(20)
+        return _chunk_and_tail_hashes(toks, 320)[1]
+
+    def hashes(records, kind):
+        return {h for r in _kinds(records, kind, "MOCK") for h in r.block_hashes}
+
+    try:
+        sub.next()
+        tail = store(0)
+        got = sub.records(lambda r: tail in hashes(r, "stored"), timeout=30)
+        stored = next(r for r in _kinds(got, "stored", "MOCK") if r.block_hashes == [tail])
+        assert len(stored.token_ids) == 64 and stored.parent_block_hash is not None
+        # newer prompts fill L2 until its LRU eviction reaches the oldest tail
+        deadline = time.monotonic() + 30
+        i = 1
+        while tail not in hashes(got, "removed"):
+            assert time.monotonic() < deadline, f"the tail never left L2: {got}"
+            store(i)
+            i += 1
+            got += sub.poll(1.0)
+    finally:
+        sub.close()
+        ctx.close()
+        c.close()
+
+
 def test_log_size_zero_turns_events_off(lmcache_server, mp):
     srv = lmcache_server("--kv-event-log-size", "0")
     c, ctx = mp.worker(srv.rpc_url, mp.make_kv())
@@ -197,40 +301,57 @@ except Exception:
         data_parallel_rank: int | None = None
 
 
-def test_publisher_speaks_vllms_wire_format_with_replay(lmcache_server, mp):
-    port, replay_port = free_port(), free_port()
-    ctx_z = zmq.Context.instance()
-    sub = ctx_z.socket(zmq.SUB)
+def _router(lmcache_server, **extra):
+    """(a router's bound SUB socket, a server publishing to it in vLLM's format)."""
+    port = free_port()
+    sub = zmq.Context.instance().socket(zmq.SUB)
     sub.setsockopt(zmq.LINGER, 0)
     sub.setsockopt(zmq.SUBSCRIBE, b"kv")
     sub.bind(f"tcp://127.0.0.1:{port}")  # a router that binds; the server connects (vLLM's rule)
     cfg = {
         "enable_kv_cache_events": True,
         "endpoint": f"tcp://127.0.0.1:{port}",
-        "replay_endpoint": f"tcp://127.0.0.1:{replay_port}",
         "topic": "kv",
+        **extra,
     }
-    srv = lmcache_server("--kv-events-config", json.dumps(cfg))
+    return sub, lmcache_server("--kv-events-config", json.dumps(cfg))
+
+
+def _published_stores(sub, store, want: int) -> list:
+    """vLLM's events off ``sub`` until ``want`` BlockStored arrived. PUB drops what it
+    sends before the connection is up, so ``store(i)`` stores new chunks until some arrive;
+    the events from the first arriving batch on."""
+    dec = msgspec.msgpack.Decoder(VllmBatch)
+    events: list = []
+    deadline = time.monotonic() + 30
+    i = 0
+    while len([e for e in events if isinstance(e, BlockStored)]) < want:
+        assert time.monotonic() < deadline, f"events so far: {events}"
+        store(i)
+        i += 1
+        while sub.poll(1000):
+            topic, seq, payload = sub.recv_multipart()
+            assert topic == b"kv" and len(seq) == 8
+            events.extend(dec.decode(payload).events)
+    return events
+
+
+def test_publisher_speaks_vllms_wire_format_with_replay(lmcache_server, mp):
+    replay_port = free_port()
+    sub, srv = _router(lmcache_server, replay_endpoint=f"tcp://127.0.0.1:{replay_port}")
     c, ctx = mp.worker(srv.rpc_url, mp.make_kv(), model="pub")
     dec = msgspec.msgpack.Decoder(VllmBatch)
-    req = ctx_z.socket(zmq.DEALER)
+    req = zmq.Context.instance().socket(zmq.DEALER)
     req.setsockopt(zmq.LINGER, 0)
+
+    def store(i: int) -> None:
+        toks = [t + 10000 * i for t in mp.TOKENS]
+        assert ctx.submit_store(
+            mp.key(f"p{i}", model="pub", tokens=toks), list(range(1, 33))
+        ).result(20)
+
     try:
-        events: list = []
-        deadline = time.monotonic() + 30
-        i = 0
-        while len([e for e in events if isinstance(e, BlockStored)]) < 2:
-            assert time.monotonic() < deadline, f"events so far: {events}"
-            # PUB drops what it sends before the connection is up: store new chunks until
-            # some arrive
-            toks = [t + 10000 * i for t in mp.TOKENS]
-            i += 1
-            k = mp.key(f"p{i}", model="pub", tokens=toks)
-            assert ctx.submit_store(k, list(range(1, 33))).result(20)
-            while sub.poll(1000):
-                topic, seq, payload = sub.recv_multipart()
-                assert topic == b"kv" and len(seq) == 8
-                events.extend(dec.decode(payload).events)
+        events = _published_stores(sub, store, 2)
         stored = [e for e in events if isinstance(e, BlockStored)]
         assert stored[0].medium == "CPU" and stored[0].block_size == 256
         toks = [t - mp.TOKENS[0] + stored[0].token_ids[0] for t in mp.TOKENS]
@@ -264,6 +385,43 @@ def test_publisher_speaks_vllms_wire_format_with_replay(lmcache_server, mp):
         assert replayed and replayed[0] == 0 and replayed == sorted(replayed)
     finally:
         req.close()
+        sub.close()
+        ctx.close()
+        c.close()
+
+
+def test_publisher_sends_a_tail_as_one_block_of_its_length(lmcache_server, mp):
+    sub, srv = _router(lmcache_server)
+    c, ctx = _tail_worker(mp, srv, "pubtail")
+    prompts: list[list[int]] = []
+
+    def store(i: int) -> None:  # one chunk and a tail of 48 tokens (3 engine blocks)
+        prompts.append([t + 10000 * i for t in mp.TOKENS])
+        k = mp.key(f"t{i}", model="pubtail", tokens=prompts[-1], end=304)
+        assert ctx.submit_store(k, list(range(1, 20))).result(20)
+
+    try:
+        events = _published_stores(sub, store, 2)
+        stored = [e for e in events if isinstance(e, BlockStored)]
+        chunk, tail = stored[0], stored[1]
+        toks = next(p for p in prompts if p[:256] == chunk.token_ids)
+        assert (chunk.block_size, chunk.parent_block_hash) == (256, None)
+        assert tail.block_hashes == [_chunk_and_tail_hashes(toks, 304)[1]]
+        assert tail.parent_block_hash == chunk.block_hashes[0] and tail.medium == "CPU"
+        # vLLM's invariant: token_ids == block_size * len(block_hashes)
+        assert tail.token_ids == toks[256:304] and tail.block_size == 48
+        assert c.call("clear", True) is None
+        deadline = time.monotonic() + 20
+        removed: set = set()
+        dec = msgspec.msgpack.Decoder(VllmBatch)
+        while tail.block_hashes[0] not in removed:
+            assert time.monotonic() < deadline, "no BlockRemoved for the tail"
+            if sub.poll(1000):
+                batch = dec.decode(sub.recv_multipart()[2])
+                removed |= {
+                    h for e in batch.events if isinstance(e, BlockRemoved) for h in e.block_hashes
+                }
+    finally:
         sub.close()
         ctx.close()
         c.close()
@@ -307,7 +465,7 @@ def test_flags_size_the_log_and_refuse_what_cannot_work():
 
 
 # --------------------------------------------------------------- the connector's side
-def _raw(pending, block_size):
+def _raw(pending):
     return [
         (kind, medium, hashes, parent, tokens) for kind, medium, hashes, parent, tokens in pending
     ]
@@ -320,7 +478,7 @@ def test_worker_events_announce_each_chunk_once_and_remove_only_what_was_announc
 
     srv = lmcache_server()
     c, ctx = mp.worker(srv.rpc_url, mp.make_kv(), model="conn")
-    events = WorkerKVEvents(srv.rpc_url, 4242, "conn", 256)
+    events = WorkerKVEvents(srv.rpc_url, 4242, "conn")
     events.start()
     got: list = []
     try:
@@ -342,6 +500,36 @@ def test_worker_events_announce_each_chunk_once_and_remove_only_what_was_announc
         events._on_batch(P.KVEventBatch(enabled=True, incarnation=1, next_cursor=0, lost=True))
         withdrawn = events.take(_raw)
         assert [(k, m, set(h)) for k, m, h, *_ in withdrawn] == [("removed", "CPU", hashes)]
+    finally:
+        events.stop()
+        ctx.close()
+        c.close()
+
+
+def test_worker_events_announce_a_tail_and_withdraw_it(lmcache_server, mp):
+    from lmcache.integration.vllm.kv_events import WorkerKVEvents
+
+    srv = lmcache_server()
+    c, ctx = _tail_worker(mp, srv, "conntail")
+    events = WorkerKVEvents(srv.rpc_url, 4343, "conntail", tails=True)
+    events.start()
+    got: list = []
+    try:
+        k = mp.key("a", model="conntail", end=272)  # a chunk and a tail of one engine block
+        assert ctx.submit_store(k, list(range(1, 18))).result(20)
+        mp.wait_for(lambda: got.extend(events.take(_raw)) or len(got) >= 2, "two BlockStored")
+        chunk, tail = _chunk_and_tail_hashes(mp.TOKENS, 272)
+        assert [(kind, hashes, parent) for kind, _m, hashes, parent, _t in got] == [
+            ("stored", [chunk], None),
+            ("stored", [tail], chunk),
+        ]
+        assert got[1][4] == mp.TOKENS[256:272] and P.stored_block_size(got[1][4], [tail]) == 16
+        assert c.call("clear", True) is None
+        later: list = []
+        mp.wait_for(lambda: later.extend(events.take(_raw)) or later, "BlockRemoved")
+        assert [(kind, set(hashes)) for kind, _m, hashes, *_ in later] == [
+            ("removed", {chunk, tail})
+        ]
     finally:
         events.stop()
         ctx.close()

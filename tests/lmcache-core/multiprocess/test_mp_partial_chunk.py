@@ -95,6 +95,16 @@ def test_3000_token_prompt_reuses_2992_tokens(lmcache_server, mp, shm_suffix, mo
         other = list(prompt)
         other[2990] += 1
         assert _lock_and_hit(mp, sched, other, "diff") == 2816
+        # the metrics count what vLLM loads: tails in the hit keys and tokens of their tier
+        hit_tokens = 2992 + 11 * CHUNK + 2992 + 2816
+        counted = {
+            "lmcache_mp_lookup_hit_tokens_total": hit_tokens,
+            "lmcache_mp_lookup_hit_l1_tokens_total": hit_tokens,
+            "lmcache_mp_lookup_hit_l1_keys_total": 12 + 11 + 12 + 11,
+            "lmcache_mp_lookup_hit_tail_tokens_total": 2 * (2992 - 11 * CHUNK),
+            "lmcache_mp_lookup_hit_l2_keys_total": 0,
+        }
+        assert {name: mp.metric(srv, name) for name in counted} == counted
 
         # load it into a fresh engine: bytes identical, block for block
         kv2 = mp.make_kv(num_blocks=200, block_size=BLOCK, zeros=True)
@@ -167,6 +177,13 @@ def test_a_tail_only_in_l2_is_found_and_loaded(lmcache_server, mp):
         assert sched.call("clear", True, timeout=10) is None  # L1 only
         assert mp.status(srv)["storage_manager"]["l1"]["total_object_count"] == 0
         assert _lock_and_hit(mp, sched, prompt, "l2") == 400
+        counted = {  # the chunk and the tail came from L2: both counted there
+            "lmcache_mp_lookup_hit_l2_keys_total": 2,
+            "lmcache_mp_lookup_hit_l2_tokens_total": 400,
+            "lmcache_mp_lookup_hit_l1_keys_total": 0,
+            "lmcache_mp_lookup_hit_tail_tokens_total": 400 - CHUNK,
+        }
+        assert {name: mp.metric(srv, name) for name in counted} == counted
         dest = mp.make_kv(num_blocks=40, block_size=BLOCK, zeros=True)
         c2, ctx2 = mp.worker(srv.rpc_url, dest)
         c2.negotiate_default_features(PARTIAL)

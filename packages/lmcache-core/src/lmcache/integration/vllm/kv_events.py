@@ -9,7 +9,9 @@ server (``ParallelStrategy.is_kv_event_subscriber``) subscribes to the server's 
 records into events here: each chunk is announced once per medium (``"CPU"`` for L1, the
 L2 adapter type in upper case for L2 tiers), removed only after it was announced, and
 everything announced is withdrawn when the server restarts or events were lost. A chunk's
-block hash is the server's chunk hash and its block size the chunk size.
+block hash is the server's chunk hash and its block size the chunk size; a ``partial_chunk``
+tail is one block too, its hash the tail's key and its block size its token count (a
+multiple of vLLM's block size), chained to the chunk before it.
 """
 
 from __future__ import annotations
@@ -33,8 +35,9 @@ MAX_PENDING = 65536
 class WorkerKVEvents:
     """The subscription of one worker and the events it has for vLLM."""
 
-    def __init__(self, url: str, instance_id: int, model_name: str, chunk_size: int) -> None:
-        self.chunk_size = chunk_size
+    def __init__(self, url: str, instance_id: int, model_name: str, tails: bool = False) -> None:
+        """``tails``: the worker's link negotiated ``partial_chunk``, so the subscription
+        asks for the tails' records too."""
         self._lock = threading.Lock()
         # (kind, medium, hashes, parent, tokens)
         self._pending: collections.deque[tuple[str, str, list[bytes], Any, list[int]]] = (
@@ -42,7 +45,12 @@ class WorkerKVEvents:
         )
         self._announced: dict[str, set[bytes]] = {}
         self._subscriber = KVEventSubscriber(
-            url, instance_id, model_name, self._on_batch, self._on_disabled
+            url,
+            instance_id,
+            model_name,
+            self._on_batch,
+            self._on_disabled,
+            features=(P.FEATURE_PARTIAL_CHUNK,) if tails else (),
         )
 
     def start(self) -> None:
@@ -81,22 +89,21 @@ class WorkerKVEvents:
 
     def take(self, convert: Callable[..., list[Any]] | None = None) -> list[Any]:
         """The events since the last call, oldest first, as vLLM's event objects
-        (``convert(pending, block_size)`` turns the (kind, medium, hashes, parent, tokens)
-        tuples into them: ``to_vllm_events`` unless given)."""
+        (``convert(pending)`` turns the (kind, medium, hashes, parent, tokens) tuples into
+        them: ``to_vllm_events`` unless given)."""
         with self._lock:
             pending = list(self._pending)
             self._pending.clear()
         if not pending:
             return []
-        return (convert or to_vllm_events)(pending, self.chunk_size)
+        return (convert or to_vllm_events)(pending)
 
 
-def to_vllm_events(
-    pending: list[tuple[str, str, list[bytes], Any, list[int]]], block_size: int
-) -> list[Any]:
+def to_vllm_events(pending: list[tuple[str, str, list[bytes], Any, list[int]]]) -> list[Any]:
     """(kind, medium, hashes, parent, tokens) tuples as vLLM's ``BlockStored`` /
     ``BlockRemoved``, hashes converted as vLLM converts its own
-    (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``)."""
+    (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``), ``block_size`` the tokens per block
+    (``stored_block_size``: a tail's is its length)."""
     from vllm.distributed.kv_events import (  # type: ignore[import-not-found]
         BlockRemoved,
         BlockStored,
@@ -114,7 +121,7 @@ def to_vllm_events(
                     block_hashes=block_hashes,
                     parent_block_hash=None if parent is None else convert(parent),
                     token_ids=list(tokens),
-                    block_size=block_size,
+                    block_size=P.stored_block_size(tokens, hashes),
                     lora_id=None,
                     medium=medium,
                     lora_name=None,

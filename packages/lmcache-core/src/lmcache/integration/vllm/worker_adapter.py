@@ -203,7 +203,9 @@ class LMCacheMPWorkerAdapter:
                 P.KV_EVENT_CAPABILITY,
             )
             return None
-        events = WorkerKVEvents(self.link.url, self.instance_id, self.model_name, self.chunk_size)
+        events = WorkerKVEvents(
+            self.link.url, self.instance_id, self.model_name, tails=self.link.partial_chunk
+        )
         events.start()
         return events
 

@@ -25,7 +25,11 @@ import msgspec
 import zmq
 
 from lmcache.utils import init_logger
-from lmcache.v1.multiprocess.protocol import KV_EVENT_KIND_REMOVED, KVEventRecord
+from lmcache.v1.multiprocess.protocol import (
+    KV_EVENT_KIND_REMOVED,
+    KVEventRecord,
+    stored_block_size,
+)
 
 logger = init_logger(__name__)
 
@@ -125,8 +129,9 @@ def is_bind_endpoint(endpoint: str) -> bool:
     return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
 
 
-def to_vllm_events(records: list[KVEventRecord], block_size: int) -> list[Any]:
-    """Our log records as vLLM's ``BlockStored`` / ``BlockRemoved`` (hashes as bytes)."""
+def to_vllm_events(records: list[KVEventRecord]) -> list[Any]:
+    """Our log records as vLLM's ``BlockStored`` / ``BlockRemoved`` (hashes as bytes); a
+    ``BlockStored``'s ``block_size`` is its tokens per block (``stored_block_size``)."""
     out: list[Any] = []
     for rec in records:
         if rec.kind == KV_EVENT_KIND_REMOVED:
@@ -137,7 +142,7 @@ def to_vllm_events(records: list[KVEventRecord], block_size: int) -> list[Any]:
                     block_hashes=list(rec.block_hashes),
                     parent_block_hash=rec.parent_block_hash,
                     token_ids=list(rec.token_ids),
-                    block_size=block_size,
+                    block_size=stored_block_size(rec.token_ids, rec.block_hashes),
                     lora_id=None,
                     medium=rec.medium,
                     lora_name=None,
@@ -205,12 +210,10 @@ class ZmqKVEventPublisher:
                 "use tcp://*:PORT (or tcp://HOST:PORT of a router that binds) with a free port"
             ) from exc
 
-    def publish(self, records: list[KVEventRecord], block_size: int) -> None:
+    def publish(self, records: list[KVEventRecord]) -> None:
         if self._pub is None or not records:
             return
-        payload = self._encoder.encode(
-            KVEventBatch(ts=time.time(), events=to_vllm_events(records, block_size))
-        )
+        payload = self._encoder.encode(KVEventBatch(ts=time.time(), events=to_vllm_events(records)))
         seq = self._seq
         self._seq += 1
         try:

@@ -7,6 +7,8 @@ The wire is LMCache 0.5.6's, so it works against both servers: the request
 ``[uid, op, KVEventBatch]`` per credit, ``[uid, b"", b"ack"|b"cancel"]`` from the client,
 ``[uid, op]`` when the server ends the stream. It resumes from the last ``next_cursor``;
 when the server's ``incarnation`` changed (a restart) it starts again from cursor 0.
+Given ``features`` (ours: ``partial_chunk``, for a server that offered it to the caller's
+link), it negotiates them on its socket before each subscription.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from lmcache.v1.multiprocess import protocol as P
 logger = init_logger(__name__)
 
 _OP = msgspec.msgpack.encode("subscribe_kv_events")
+_NEGOTIATE_OP = msgspec.msgpack.encode("negotiate_features")
 _BATCH = msgspec.msgpack.Decoder(P.KVEventBatch)
 _POLL_MS = 500
 MAX_EVENTS = 1024
@@ -43,6 +46,7 @@ class KVEventSubscriber:
         on_batch: Callable[[P.KVEventBatch], None],
         on_disabled: Callable[[str], None] | None = None,
         retry_s: float = 1.0,
+        features: tuple[str, ...] = (),
     ) -> None:
         self.url = url
         self.instance_id = instance_id
@@ -50,6 +54,7 @@ class KVEventSubscriber:
         self._on_batch = on_batch
         self._on_disabled = on_disabled
         self._retry_s = retry_s
+        self.features = features
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._uids = itertools.count(1)
@@ -67,6 +72,9 @@ class KVEventSubscriber:
             self._thread.join(timeout=2)
 
     def _subscribe(self, sock: zmq.Socket, cursor: int) -> bytes:
+        if self.features:  # its reply, on a uid of no stream, is skipped like a late frame
+            nuid = msgspec.msgpack.encode(next(self._uids))
+            sock.send_multipart([nuid, _NEGOTIATE_OP, msgspec.msgpack.encode(list(self.features))])
         uid = msgspec.msgpack.encode(next(self._uids))
         args = (self.instance_id, self.model_name, cursor, MAX_EVENTS)
         sock.send_multipart([uid, _OP, *(msgspec.msgpack.encode(a) for a in args)])

@@ -5,6 +5,8 @@
 type in upper case). A stored record carries its chunk's tokens and parent chunk hash, which
 the write path binds to the chunk hash when a store arrives (``bind_tokens``); a chunk
 whose tokens were never bound (loaded from L2 after a restart) is counted, not recorded.
+A ``partial_chunk`` tail is bound and recorded the same way, as one block with fewer
+tokens; only subscriptions of peers that negotiated the feature read its stored records.
 The log keeps the last ``--kv-event-log-size`` records (0 turns events off).
 
 ``KVEventStreams`` serves LMCache 0.5.6's ``subscribe_kv_events`` stream (one batch per
@@ -100,22 +102,34 @@ class KVEventLog(StorageKeyListener):
         return self.next_seq - 1
 
     # ------------------------------------------------------------------ recording
-    def bind_tokens(self, raw_tokens: bytes, hashes: list[bytes], first: int, last: int) -> None:
+    def bind_tokens(
+        self,
+        raw_tokens: bytes,
+        hashes: list[bytes],
+        first: int,
+        last: int,
+        tail: bytes | None = None,
+    ) -> None:
         """Remember the tokens (uint32 big-endian ``raw_tokens`` of the whole prefix) and
-        parent of chunks ``first..last-1`` of a store, whose chunk hashes are ``hashes``."""
+        parent of chunks ``first..last-1`` of a store, whose chunk hashes are ``hashes``;
+        ``tail`` is the hash of the store's ``partial_chunk`` tail (the tokens past chunk
+        ``last``, whose parent is chunk ``last - 1``), None without one."""
         if not self.enabled:
             return
         step = 4 * self.chunk_size
         with self.cond:
             for i in range(first, min(last, len(hashes))):
-                h = hashes[i]
-                self._bindings[h] = (
-                    raw_tokens[i * step : (i + 1) * step],
-                    hashes[i - 1] if i else None,
-                )
-                self._bindings.move_to_end(h)
+                self._bind(hashes[i], raw_tokens[i * step : (i + 1) * step], hashes, i)
+            if tail is not None and last <= len(hashes):
+                self._bind(tail, raw_tokens[last * step :], hashes, last)
             while len(self._bindings) > TOKEN_BINDINGS:
                 self._bindings.popitem(last=False)
+
+    def _bind(self, h: bytes, tokens: bytes, hashes: list[bytes], pos: int) -> None:
+        """Bind the block at chunk position ``pos`` (a chunk, or a tail) to its tokens and
+        parent, the chunk before it (None for the first)."""
+        self._bindings[h] = (tokens, hashes[pos - 1] if pos else None)
+        self._bindings.move_to_end(h)
 
     def _append(
         self, kind: str, medium: str, model: str, hashes: tuple[bytes, ...], **kw: Any
@@ -155,10 +169,15 @@ class KVEventLog(StorageKeyListener):
             self.cond.notify_all()
 
     # ------------------------------------------------------------------ reading
-    def read(self, model_name: str | None, cursor: int, max_events: int) -> KVEventBatch:
+    def read(
+        self, model_name: str | None, cursor: int, max_events: int, tails: bool = True
+    ) -> KVEventBatch:
         """Up to ``max_events`` records of ``model_name`` (None: every model) after
         ``cursor``; ``next_cursor`` is where to resume, ``lost`` says records after
-        ``cursor`` are gone (trimmed, or a cursor of another incarnation)."""
+        ``cursor`` are gone (trimmed, or a cursor of another incarnation). Without
+        ``tails`` the stored records of ``partial_chunk`` tails are left out: a reader
+        that did not negotiate the feature (LMCache 0.5.6's connector) announces every
+        stored record as a whole chunk."""
         if cursor < 0 or max_events <= 0:
             raise ValueError(
                 f"cursor must be >= 0 and max_events > 0 (got cursor={cursor}, "
@@ -176,6 +195,8 @@ class KVEventLog(StorageKeyListener):
             next_cursor = min(cursor, last)
             for rec in itertools.islice(self._log, max(0, cursor + 1 - first), None):
                 next_cursor = rec.seq
+                if not tails and self._is_tail(rec):
+                    continue
                 if model_name is None or rec.model_name == model_name:
                     out.append(rec)
                     if len(out) == max_events:
@@ -187,6 +208,10 @@ class KVEventLog(StorageKeyListener):
             lost=lost,
             events=[r.to_wire() for r in out],  # token ids decoded outside the lock
         )
+
+    def _is_tail(self, rec: _Record) -> bool:
+        """A stored record of a tail: fewer tokens than a chunk."""
+        return rec.kind == KV_EVENT_KIND_STORED and len(rec.tokens) < 4 * self.chunk_size
 
     def status(self, subscribers: int = 0) -> dict[str, Any]:
         """0.5.6's ``/status`` ``kv_events`` block."""
@@ -211,6 +236,7 @@ class _Subscription:
     cursor: int
     max_events: int
     send: Callable[[Any], None]  # one reply frame; None ends the stream
+    tails: bool = False  # the peer negotiated partial_chunk: it gets the tails' records
     credit: bool = True
     first: bool = True
     since: float = field(default_factory=time.monotonic)
@@ -260,14 +286,16 @@ class KVEventStreams:
         model_name: str,
         cursor: int,
         max_events: int,
+        tails: bool = False,
     ) -> None:
-        """Start a stream; one per worker instance (a new one ends the previous one)."""
+        """Start a stream; one per worker instance (a new one ends the previous one).
+        ``tails``: the stream carries the stored records of ``partial_chunk`` tails."""
         if cursor < 0 or not 0 < max_events <= MAX_EVENTS_PER_BATCH:
             raise ValueError(
                 f"cursor must be >= 0 and max_events in [1, {MAX_EVENTS_PER_BATCH}] "
                 f"(got cursor={cursor}, max_events={max_events})"
             )
-        sub = _Subscription(key, instance_id, model_name, cursor, max_events, send)
+        sub = _Subscription(key, instance_id, model_name, cursor, max_events, send, tails)
         ended: list[_Subscription] = []
         with self.log.cond:
             for old in list(self._subs.values()):
@@ -326,7 +354,7 @@ class KVEventStreams:
                 time.sleep(0.1)
 
     def _serve(self, sub: _Subscription) -> None:
-        batch = self.log.read(sub.model_name, sub.cursor, sub.max_events)
+        batch = self.log.read(sub.model_name, sub.cursor, sub.max_events, sub.tails)
         with self.log.cond:
             if self._subs.get(sub.key) is not sub:
                 return
@@ -345,4 +373,4 @@ class KVEventStreams:
             )
         self._pub_cursor = batch.next_cursor
         if batch.events:
-            self.publisher.publish(batch.events, self.log.chunk_size)
+            self.publisher.publish(batch.events)

@@ -44,6 +44,12 @@ _COUNTERS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
     "lmcache_mp_lookup_hit_l1_keys": ("lookup hit keys L1 already held", LOOKUP, ()),
     "lmcache_mp_lookup_hit_l2_keys": ("lookup hit keys loaded from L2", LOOKUP, ()),
     "lmcache_mp_lookups_requests": ("completed lookups", LOOKUP, ()),
+    # ours: of lookup_hit_tokens, the tokens of partial_chunk tails (peers with the feature)
+    "lmcache_mp_lookup_hit_tail_tokens": (
+        "lookup hit tokens found in partial-chunk tails (part of lookup_hit_tokens)",
+        LOOKUP,
+        (),
+    ),
     "lmcache_mp_lookup_early_exit_requests": (
         "lookups answered without a cache probe, by reason",
         (*LOOKUP, "reason"),

@@ -183,8 +183,9 @@ STREAM_CANCEL = b"cancel"
 
 
 class KVEventRecord(msgspec.Struct, kw_only=True):
-    """One change of one tier: ``stored`` carries one chunk (its tokens and parent hash),
-    ``removed`` any number of chunk hashes."""
+    """One change of one tier: ``stored`` carries one chunk (its tokens and parent hash)
+    or one ``partial_chunk`` tail (fewer tokens, a multiple of the engine's block size),
+    ``removed`` any number of chunk and tail hashes."""
 
     seq: int
     kind: str
@@ -193,6 +194,13 @@ class KVEventRecord(msgspec.Struct, kw_only=True):
     block_hashes: list[bytes]
     parent_block_hash: bytes | None = None
     token_ids: list[int] = []
+
+
+def stored_block_size(token_ids: list[int], block_hashes: list[Any]) -> int:
+    """The ``block_size`` of a vLLM ``BlockStored`` event for a stored record: the tokens
+    each of its blocks holds (the chunk size for chunks, the tail's length for a tail), so
+    ``len(token_ids) == block_size * len(block_hashes)`` as in vLLM's own events."""
+    return len(token_ids) // max(1, len(block_hashes))
 
 
 class KVEventBatch(msgspec.Struct, kw_only=True):

@@ -156,7 +156,8 @@ class CacheEngine:
         max_events: int,
     ) -> Any:
         """0.5.6's event stream: batches of ``model_name``'s records after ``cursor``, one
-        per ack; a server without the log answers one ``enabled=False`` batch and ends."""
+        per ack; a server without the log answers one ``enabled=False`` batch and ends.
+        Tails' records go only to peers that negotiated ``partial_chunk``."""
         if self.kv_events is None:
             ctx.defer()
             ctx.send(P.KVEventBatch(enabled=False, incarnation=0, next_cursor=0, lost=False))
@@ -164,7 +165,13 @@ class CacheEngine:
             return None
         try:
             self.kv_events.subscribe(
-                (ctx.peer, ctx.uid), ctx.send, instance_id, model_name, cursor, max_events
+                (ctx.peer, ctx.uid),
+                ctx.send,
+                instance_id,
+                model_name,
+                cursor,
+                max_events,
+                tails=P.FEATURE_PARTIAL_CHUNK in ctx.features,
             )
         except ValueError as exc:
             raise RequestError(ErrorCode.INVALID_ARGUMENT, str(exc)) from exc

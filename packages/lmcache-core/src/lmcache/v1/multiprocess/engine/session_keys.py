@@ -67,8 +67,9 @@ class SessionKeys:
         self._leased_reads: list[tuple[float, PendingRead]] = []
         self._leases_lock = threading.Lock()
         # Told the tokens and hashes of each store (the KV event log binds them to chunks):
-        # (uint32 big-endian tokens of the prefix, chunk hashes, first chunk, end chunk).
-        self.on_store: Callable[[bytes, list[bytes], int, int], None] | None = None
+        # (uint32 big-endian tokens of the prefix, chunk hashes, first chunk, end chunk,
+        # the hash of the key's partial_chunk tail or None).
+        self.on_store: Callable[[bytes, list[bytes], int, int, bytes | None], None] | None = None
 
     def stop(self) -> None:
         self._stopped.set()
@@ -103,13 +104,16 @@ class SessionKeys:
         hashes = self._hashes(session, key, key.end)
         session.key_info = (key.model_name, key.world_size, key.cache_salt)
         first, last = key.start // self.cs, key.end // self.cs
-        if store and self.on_store is not None:
-            self.on_store(tokens_to_be_bytes(P.token_prefix(key, key.end)), hashes, first, last)
         keys = fan_out_keys(key, hashes, first, last, [key.worker_id])[0]
-        if key.end % self.cs:  # the tail: only a partial_chunk peer's key gets past _validate
+        tail = key.end % self.cs > 0  # only a partial_chunk peer's key gets past _validate
+        raw = b""
+        if tail or (store and self.on_store is not None):
             raw = tokens_to_be_bytes(P.token_prefix(key, key.end))
+        if tail:
             parent = hashes[last - 1] if last else NONE_HASH
             keys = [*keys, *tail_keys(key, parent, raw[last * self.cs * 4 :], [key.worker_id])]
+        if store and self.on_store is not None:
+            self.on_store(raw, hashes, first, last, keys[-1].chunk_hash if tail else None)
         return session, keys
 
     # ------------------------------------------------------------------ lookup
@@ -222,19 +226,26 @@ class SessionKeys:
         ranks = max(1, len(job.rows))
         model, _world_size, salt = session.key_info or ("", 0, "")
         tail_rows: list[Any] = []
+        tail = LookupOutcome(0, 0, 0)
+        counts: dict[str, float] = {}
         if job.tail_probe is not None:
-            job.tail_tokens, tail_rows = self._probe_tail(session, job, hit)
-        self.metrics.inc_many(
+            job.tail_tokens, tail_rows, tail = self._probe_tail(session, job, hit)
+            counts["lmcache_mp_lookup_hit_tail_tokens"] = job.tail_tokens
+        # A tail is one key per rank holding tail_tokens tokens (vLLM loads it as it loads
+        # a chunk), so the key and tier counters count it as the chunks are counted.
+        tail_ranks = max(1, len(tail_rows))
+        counts.update(
             {
                 "lmcache_mp_lookup_hit_tokens": hit * self.cs + job.tail_tokens,
-                "lmcache_mp_lookup_hit_l1_keys": out.l1_keys,
-                "lmcache_mp_lookup_hit_l2_keys": out.l2_keys,
-                "lmcache_mp_lookup_hit_l1_tokens": out.l1_keys * self.cs // ranks,
-                "lmcache_mp_lookup_hit_l2_tokens": out.l2_keys * self.cs // ranks,
-            },
-            cache_salt=salt,
-            model_name=model,
+                "lmcache_mp_lookup_hit_l1_keys": out.l1_keys + tail.l1_keys,
+                "lmcache_mp_lookup_hit_l2_keys": out.l2_keys + tail.l2_keys,
+                "lmcache_mp_lookup_hit_l1_tokens": out.l1_keys * self.cs // ranks
+                + tail.l1_keys * job.tail_tokens // tail_ranks,
+                "lmcache_mp_lookup_hit_l2_tokens": out.l2_keys * self.cs // ranks
+                + tail.l2_keys * job.tail_tokens // tail_ranks,
+            }
         )
+        self.metrics.inc_many(counts, cache_salt=salt, model_name=model)
         readers, first_chunk = job.num_kv_readers, job.first_chunk
         with session.lock:
             shares, share_keys = session.shares, session.share_keys
@@ -260,19 +271,23 @@ class SessionKeys:
             return
         self._free_range(session, job.first_chunk, job.first_chunk + job.locked_chunks)
 
-    def _probe_tail(self, session: Session, job: LookupJob, hit: int) -> tuple[int, list[Any]]:
+    def _probe_tail(
+        self, session: Session, job: LookupJob, hit: int
+    ) -> tuple[int, list[Any], LookupOutcome]:
         """``FEATURE_PARTIAL_CHUNK``: after ``hit`` whole chunks, the longest stored tail at
-        the first missing chunk, read-locked on every rank: (its tokens, its key per rank),
-        or (0, []). Candidate lengths are the multiples of the registered block size below
-        a chunk that the lookup's range holds, longest first; L1 answers at once, an L2
-        check of one candidate waits at most ``TAIL_L2_WAIT_S`` in all."""
+        the first missing chunk, read-locked on every rank: (its tokens, its key per rank,
+        its lookup outcome: which tier held it), or (0, [], nothing). Candidate lengths are
+        the multiples of the registered block size below a chunk that the lookup's range
+        holds, longest first; L1 answers at once, an L2 check of one candidate waits at most
+        ``TAIL_L2_WAIT_S`` in all."""
         key, hashes, lay = job.tail_probe
         job.tail_probe = None
         pos = job.first_chunk + hit  # the first chunk that missed (or the one past the range)
         room = min(key.end - pos * self.cs, self.cs - 1)
         bs = lay.block_size
+        none = LookupOutcome(0, 0, 0)
         if room < bs:
-            return 0, []
+            return 0, [], none
         raw = tokens_to_be_bytes(P.token_prefix(key, pos * self.cs + room))
         parent = hashes[pos - 1] if pos > 0 else NONE_HASH
         deadline = time.monotonic() + TAIL_L2_WAIT_S
@@ -293,10 +308,10 @@ class SessionKeys:
                     out = self.storage.lookup_result(handle, 1)
             except Exception as exc:
                 logger.error("lookup %s: tail probe failed: %s", session.request_id, exc)
-                return 0, []
+                return 0, [], none
             if out.hit_chunks >= 1:
-                return n, keys
-        return 0, []
+                return n, keys, out
+        return 0, [], none
 
     def consume(self, session: Session | None, tokens: bool = False) -> int | None:
         """The hit chunks of the session's lookup, reported once (0 after that, or without a
